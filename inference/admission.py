@@ -1,0 +1,65 @@
+"""Admit a checked chat request: count its prompt, reserve its log, queue it for a worker."""
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from django.conf import settings
+
+from . import registry, streamlog
+from .chat_request import checked_max_tokens
+from .errors import ApiError
+
+
+@dataclass(frozen=True)
+class Owner:
+    api_key_id: int | None = None
+    user_id: int | None = None
+
+    @property
+    def label(self):
+        return f"key:{self.api_key_id}" if self.api_key_id else f"user:{self.user_id}"
+
+
+@dataclass(frozen=True)
+class Admitted:
+    request_id: str
+    model: str
+    created: int
+    prompt_tokens: int
+
+
+def prompt_ids(chat):
+    try:
+        tokenizer = registry.tokenizer(chat.model)
+    except FileNotFoundError as exc:
+        raise ApiError(503, f"The model `{chat.model}` is not available: {exc}", type="server_error") from None
+    return list(tokenizer.apply_chat_template(chat.messages, add_generation_prompt=True, tokenize=True))
+
+
+def admit(chat, owner):
+    """Raises ApiError before anything is written; afterwards the request is queued."""
+    from .tasks import generate
+
+    received_at = time.time()
+    ids = prompt_ids(chat)
+    max_tokens = checked_max_tokens(
+        chat, len(ids), registry.context_length(chat.model), settings.TOKSTREAM_DEFAULT_MAX_TOKENS
+    )
+    admitted = Admitted(f"chatcmpl-{uuid.uuid4().hex}", chat.model, int(time.time()), len(ids))
+    client = streamlog.sync_client()
+    streamlog.save_meta(client, admitted.request_id, {"owner": owner.label, "model": chat.model, "created": admitted.created})
+    params = {"max_tokens": max_tokens, "temperature": chat.temperature, "top_p": chat.top_p, "seed": chat.seed, "stop": chat.stop}
+    generate.apply_async(
+        kwargs={
+            "request_id": admitted.request_id,
+            "model": chat.model,
+            "prompt_ids": ids,
+            "params": params,
+            "received_at": received_at,
+            "api_key_id": owner.api_key_id,
+            "user_id": owner.user_id,
+        },
+        queue="inference",
+    )
+    return admitted

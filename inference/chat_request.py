@@ -1,0 +1,164 @@
+"""Parse and check a chat completion request body before anything is written or queued."""
+
+import json
+from dataclasses import dataclass, field
+
+from . import registry
+from .errors import ApiError, invalid, not_found
+
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+MAX_STOP = 4
+
+
+@dataclass
+class ChatRequest:
+    model: str
+    messages: list[dict]
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+def parse(body, content_type):
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise invalid("Content-Type must be application/json.")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid(f"The body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise invalid("The body must be a JSON object.")
+    check_n(data)
+    return ChatRequest(
+        model=model_of(data),
+        messages=messages_of(data),
+        stream=boolean(data, "stream", False),
+        include_usage=stream_option(data, "include_usage"),
+        continuous_usage=stream_option(data, "continuous_usage_stats"),
+        max_tokens=max_tokens_of(data),
+        temperature=number(data, "temperature", 1.0, 0.0, 2.0),
+        top_p=number(data, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        seed=integer(data, "seed", None),
+        stop=stop_of(data),
+    )
+
+
+def model_of(data):
+    name = data.get("model")
+    if not isinstance(name, str) or not name:
+        raise invalid("`model` is required and must be a string.", param="model")
+    if not registry.exists(name):
+        raise not_found(f"The model `{name}` does not exist.", code="model_not_found", param="model")
+    return name
+
+
+def messages_of(data):
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("`messages` must be a non-empty array.", param="messages")
+    return [message_of(m, i) for i, m in enumerate(messages)]
+
+
+def message_of(message, index):
+    param = f"messages.[{index}]"
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        raise invalid(f"{param}.role must be one of {', '.join(sorted(ROLES))}.", param=f"{param}.role")
+    role = "system" if message["role"] == "developer" else message["role"]
+    return {"role": role, "content": content_text(message.get("content"), f"{param}.content")}
+
+
+def content_text(content, param):
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    if content is None:
+        return ""
+    raise invalid(f"{param} must be a string or an array of text parts.", param=param)
+
+
+def check_n(data):
+    if data.get("n", 1) != 1:
+        raise invalid("Only `n: 1` is supported.", param="n")
+
+
+def boolean(data, name, default):
+    value = data.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(f"`{name}` must be a boolean.", param=name)
+    return value
+
+
+def stream_option(data, name):
+    options = data.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise invalid("`stream_options` must be an object.", param="stream_options")
+    return boolean(options, name, False)
+
+
+def number(data, name, default, low, high, low_open=False):
+    value = data.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise invalid(f"`{name}` must be a number.", param=name)
+    if value < low or value > high or (low_open and value == low):
+        bounds = f"{'(' if low_open else '['}{low}, {high}]"
+        raise invalid(f"`{name}` must be in {bounds}; got {value}.", param=name)
+    return float(value)
+
+
+def integer(data, name, default):
+    value = data.get(name, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise invalid(f"`{name}` must be an integer.", param=name)
+    return value
+
+
+def max_tokens_of(data):
+    name = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
+    value = integer(data, name, None)
+    if value is not None and value < 1:
+        raise invalid(f"`{name}` must be at least 1; got {value}.", param=name)
+    return value
+
+
+def stop_of(data):
+    stop = data.get("stop")
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
+        raise invalid(f"`stop` must be a non-empty string or up to {MAX_STOP} of them.", param="stop")
+    return stop
+
+
+def checked_max_tokens(chat, prompt_tokens, context_length, default):
+    """The completion budget, or the error OpenAI gives when prompt + budget cannot fit."""
+    room = context_length - prompt_tokens
+    if room < 1:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {context_length} tokens; the messages use "
+            f"{prompt_tokens}. Please shorten them.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    if chat.max_tokens is None:
+        return min(room, default)
+    if chat.max_tokens > room:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {context_length} tokens; you asked for "
+            f"{prompt_tokens} in the messages and {chat.max_tokens} in the completion.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return chat.max_tokens

@@ -1,0 +1,83 @@
+"""Turn log entries into OpenAI chat.completion.chunk objects and SSE frames."""
+
+import json
+
+from .errors import ApiError
+
+
+class ChunkWriter:
+    """Every chunk of one request carries the same id and created (as OpenAI's do)."""
+
+    def __init__(self, request_id, model, created, include_usage=False, continuous_usage=False, resumed=False):
+        self.base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
+        self.role_sent = resumed
+
+    def chunks(self, entry):
+        if entry["t"] == "delta":
+            return [self.delta_chunk(entry)]
+        return self.end_chunks(entry)
+
+    def delta_chunk(self, entry):
+        delta = {"content": entry["text"]}
+        if not self.role_sent:
+            delta = {"role": "assistant", **delta}
+            self.role_sent = True
+        chunk = self.chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+        if self.continuous_usage:
+            chunk["usage"] = {"completion_tokens": entry["n"]}
+        return chunk
+
+    def end_chunks(self, entry):
+        if "error" in entry:
+            chunks = [ApiError(500, entry["error"], type="server_error").body()]
+        else:
+            delta = {} if self.role_sent else {"role": "assistant", "content": ""}
+            chunks = [self.chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": entry["finish_reason"]}])]
+        # The usage chunk keeps its place (None) when not asked for, so event ids stay the same
+        # whichever options a reader of the log chose.
+        chunks.append({**self.chunk([]), "usage": entry["usage"]} if self.include_usage else None)
+        return chunks
+
+    def chunk(self, choices):
+        chunk = {**self.base, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+
+MAX_STREAM_SEQ = 2**64 - 1
+
+
+def sse_frames(entry_id, payloads, done=False, skip=0):
+    """One SSE event per payload. An entry that makes several events numbers all but its last
+    ("T-S.0", "T-S.1", then "T-S"), so every event has an id and a resume can start mid-entry."""
+    data = [p and json.dumps(p, separators=(",", ":")) for p in payloads] + (["[DONE]"] if done else [])
+    ids = [f"{entry_id}.{k}" for k in range(len(data) - 1)] + [entry_id]
+    return "".join(f"id: {i}\ndata: {d}\n\n" for i, d in list(zip(ids, data))[skip:] if d).encode()
+
+
+def resume_point(last_event_id):
+    """Last-Event-ID -> (the log id to read after, how many events of the next entry were seen)."""
+    entry_id, _, seen = last_event_id.partition(".")
+    if not seen:
+        return entry_id, 0
+    ms, _, seq = entry_id.partition("-")
+    before = f"{ms}-{int(seq) - 1}" if int(seq) > 0 else f"{int(ms) - 1}-{MAX_STREAM_SEQ}"
+    return before, int(seen) + 1
+
+
+def completion(admitted, text, end):
+    """The non-streamed answer, from the accumulated deltas and the end entry."""
+    if "error" in end:
+        raise ApiError(500, end["error"], type="server_error")
+    message = {"role": "assistant", "content": text}
+    return {
+        "id": admitted.request_id,
+        "object": "chat.completion",
+        "created": admitted.created,
+        "model": admitted.model,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": end["finish_reason"]}],
+        "usage": end["usage"],
+    }

@@ -1,0 +1,31 @@
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+
+import json
+
+
+class ApiError(Exception):
+    def __init__(self, status, message, type="invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self):
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def json(self):
+        return json.dumps(self.body()).encode()
+
+
+def invalid(message, param=None, code=None):
+    return ApiError(400, message, param=param, code=code)
+
+
+def unauthorized():
+    return ApiError(401, "Missing or invalid API key: send `Authorization: Bearer KEY`.", code="invalid_api_key")
+
+
+def not_found(message, code=None, param=None):
+    return ApiError(404, message, param=param, code=code)

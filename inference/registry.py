@@ -1,0 +1,45 @@
+"""The models this service offers, by public name, as configured in TOKSTREAM_MODELS."""
+
+import functools
+import json
+
+from django.conf import settings
+
+from .engine import loader
+
+
+def names():
+    return sorted(settings.TOKSTREAM_MODELS)
+
+
+def exists(name):
+    return name in settings.TOKSTREAM_MODELS
+
+
+def folder(name):
+    return loader.resolve_folder(name, settings.TOKSTREAM_MODELS[name], settings.TOKSTREAM_MODEL_CACHE)
+
+
+@functools.cache
+def tokenizer(name):
+    """The web process counts prompt tokens with the very tokenizer the worker uses."""
+    return loader.load_tokenizer(folder(name))
+
+
+@functools.cache
+def context_length(name):
+    config = json.loads((folder(name) / "config.json").read_text())
+    return config.get("max_position_embeddings", 2048)
+
+
+def warm_tokenizers():
+    """Load the tokenizers at start-up so the first request does not wait for them."""
+    for name in names():
+        try:
+            tokenizer(name)
+        except FileNotFoundError:
+            pass  # not prepared yet: the request will get a clear error
+
+
+def load(name):
+    return loader.load(name, folder(name), settings.TOKSTREAM_DEVICE, settings.TOKSTREAM_DTYPE)

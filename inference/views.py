@@ -1,0 +1,100 @@
+"""Plain Django views: the model list, health, the chat page and its session endpoints."""
+
+import functools
+
+from django.contrib.auth.decorators import login_required
+from django.db import connection
+from django.http import JsonResponse
+from django.shortcuts import render
+from django.views.decorators.http import require_GET, require_POST
+
+from billing.models import ApiKey
+
+from . import chat_request, registry, streamlog
+from .admission import Owner, admit
+from .errors import ApiError, not_found, unauthorized
+
+
+def error_response(exc):
+    return JsonResponse(exc.body(), status=exc.status)
+
+
+def api_key_required(view):
+    @functools.wraps(view)
+    def wrapper(request, *args, **kwargs):
+        auth = request.headers.get("Authorization", "")
+        key = ApiKey.authenticate(auth.removeprefix("Bearer ").strip()) if auth.startswith("Bearer ") else None
+        if key is None:
+            return error_response(unauthorized())
+        request.api_key = key
+        return view(request, *args, **kwargs)
+
+    return wrapper
+
+
+@require_GET
+@api_key_required
+def models(request):
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "tokstream"} for name in registry.names()]
+    return JsonResponse({"object": "list", "data": data})
+
+
+@require_GET
+def healthz(request):
+    checks = {"database": check(database_ok), "redis": check(redis_ok), "workers": check(workers_ok)}
+    healthy = all(c["ok"] for c in checks.values())
+    return JsonResponse({"status": "ok" if healthy else "unavailable", "checks": checks}, status=200 if healthy else 503)
+
+
+def check(probe):
+    try:
+        return {"ok": True, **probe()}
+    except Exception as exc:
+        return {"ok": False, "error": str(exc)}
+
+
+def database_ok():
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+    return {}
+
+
+def redis_ok():
+    streamlog.sync_client().ping()
+    return {}
+
+
+def workers_ok():
+    workers = streamlog.live_workers(streamlog.sync_client())
+    if not workers:
+        raise RuntimeError("no worker has a model loaded")
+    return {"count": len(workers), "models": sorted({m for w in workers for m in w["models"]})}
+
+
+@login_required
+def chat_page(request):
+    return render(request, "chat.html", {"models": registry.names()})
+
+
+@login_required
+@require_POST
+def chat_create(request):
+    """The page's POST: same checks and queue as the API, owned by the session's user."""
+    try:
+        chat = chat_request.parse(request.body, request.content_type)
+        admitted = admit(chat, Owner(user_id=request.user.pk))
+    except ApiError as exc:
+        return error_response(exc)
+    events_url = f"/v1/chat/completions/{admitted.request_id}/events"
+    return JsonResponse({"id": admitted.request_id, "events_url": events_url, "prompt_tokens": admitted.prompt_tokens})
+
+
+@login_required
+@require_POST
+def chat_cancel(request, request_id):
+    client = streamlog.sync_client()
+    meta = streamlog.load_meta(client, request_id)
+    if meta.get("owner") != Owner(user_id=request.user.pk).label:
+        return error_response(not_found(f"No request {request_id!r} is known.", param="id"))
+    streamlog.cancel(client, request_id)
+    return JsonResponse({"id": request_id, "cancelled": True})

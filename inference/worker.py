@@ -1,0 +1,101 @@
+"""One engine per model per worker process, each driven by its own thread.
+
+Celery tasks submit requests and read their outputs from a queue; the thread steps the engine
+whenever there is work, checks the cancel flags in Redis once per step, and keeps a heartbeat
+key alive so /healthz can tell that a worker has its model loaded.
+"""
+
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+
+from django.conf import settings
+
+from . import registry, streamlog
+from .engine import Engine
+from .engine.runner import HFRunner
+
+log = logging.getLogger(__name__)
+_loops = {}
+_loops_lock = threading.Lock()
+
+
+class EngineLoop(threading.Thread):
+    def __init__(self, engine, redis_client, heartbeat):
+        super().__init__(daemon=True, name="engine-loop")
+        self.engine = engine
+        self.redis = redis_client
+        self.heartbeat = heartbeat
+        self.outboxes = {}
+        self.wake = threading.Event()
+
+    def submit(self, request):
+        outbox = queue.Queue()
+        self.outboxes[request.request_id] = outbox
+        self.engine.add(request)
+        self.wake.set()
+        return outbox
+
+    def run(self):
+        while True:
+            self.heartbeat()
+            if not self.engine.has_work():
+                self.wake.wait(timeout=settings.TOKSTREAM_WORKER_TTL / 3)
+                self.wake.clear()
+                continue
+            self.deliver(self.step())
+
+    def step(self):
+        for request_id in streamlog.cancelled_among(self.redis, [r.request_id for r in self.engine.running]):
+            self.engine.cancel(request_id)
+        try:
+            return self.engine.step()
+        except Exception as exc:  # the model failed: end the live requests, keep serving
+            log.exception("engine step failed")
+            return self.engine.fail_all(f"generation failed: {exc}")
+
+    def deliver(self, outputs):
+        for output in outputs:
+            outbox = self.outboxes.get(output.request_id)
+            if output.finished:
+                self.outboxes.pop(output.request_id, None)
+            if outbox is not None:
+                outbox.put(output)
+
+
+def heartbeat_writer(redis_client, model_names):
+    key = streamlog.worker_key(f"{socket.gethostname()}:{os.getpid()}")
+    value = json.dumps({"models": model_names})
+    last = [0.0]
+
+    def beat():
+        if time.monotonic() - last[0] >= settings.TOKSTREAM_WORKER_TTL / 3:
+            redis_client.set(key, value, ex=settings.TOKSTREAM_WORKER_TTL)
+            last[0] = time.monotonic()
+
+    return beat
+
+
+def start_loop(name):
+    lm = registry.load(name)
+    runner = HFRunner(lm.model, lm.device)
+    runner.prefill(lm.tokenizer.encode("warm up"))  # the first forward pass is slow; not a user's
+    engine = Engine(runner, lm.tokenizer, lm.stop_ids, lm.context_length, settings.TOKSTREAM_MAX_RUNNING)
+    client = streamlog.sync_client()
+    loop = EngineLoop(engine, client, heartbeat_writer(client, [name]))
+    loop.model = lm
+    loop.start()
+    log.info("model %s loaded on %s", name, lm.device)
+    return loop
+
+
+def engine_loop(name):
+    """The running loop for a model, started on first use (or at worker start-up)."""
+    with _loops_lock:
+        if name not in _loops:
+            _loops[name] = start_loop(name)
+        return _loops[name]

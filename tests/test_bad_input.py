@@ -1,0 +1,96 @@
+"""Bad requests get the OpenAI error shape and leave nothing behind: no task, no row, no keys."""
+
+import os
+
+import httpx
+import pytest
+
+from billing.models import UsageEntry
+from tests.sse import MODEL, auth, chat_body
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def post(live_service, api_key, redis_client):
+    """POST a raw body; assert the error shape and that nothing was written."""
+
+    def request_keys():
+        prefix = os.environ["TOKSTREAM_REDIS_PREFIX"]
+        return set(redis_client.scan_iter(match=f"{prefix}:req:*"))
+
+    def post(body, status, headers=None, **expected):
+        keys_before, rows_before = request_keys(), UsageEntry.objects.count()
+        headers = {"Content-Type": "application/json", **auth(api_key), **(headers or {})}
+        response = httpx.post(f"{live_service.url}/v1/chat/completions", content=body, headers=headers, timeout=30)
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        for name, value in expected.items():
+            assert error[name] == value
+        assert request_keys() == keys_before
+        assert UsageEntry.objects.count() == rows_before
+        assert redis_client.llen("inference") == 0
+        return error
+
+    return post
+
+
+def json_body(**fields):
+    import json
+
+    return json.dumps(fields).encode()
+
+
+def test_it_refuses_malformed_json(post):
+    post(b'{"model": "smollm2-135m-instruct", "messages": [', 400, type="invalid_request_error")
+
+
+def test_it_refuses_a_wrong_content_type(post):
+    post(json_body(**chat_body("hi")), 400, headers={"Content-Type": "text/plain"})
+
+
+@pytest.mark.parametrize("messages", [None, [], "hello"])
+def test_it_refuses_missing_or_empty_messages(post, messages):
+    body = {"model": MODEL} if messages is None else {"model": MODEL, "messages": messages}
+    post(json_body(**body), 400, param="messages")
+
+
+def test_it_refuses_a_message_without_a_known_role(post):
+    post(json_body(model=MODEL, messages=[{"role": "wizard", "content": "hi"}]), 400, param="messages.[0].role")
+
+
+def test_it_answers_404_for_an_unknown_model(post):
+    post(json_body(**{**chat_body("hi"), "model": "gpt-17"}), 404, code="model_not_found", param="model")
+
+
+@pytest.mark.parametrize("max_tokens", [0, -5, "ten", 10**9])
+def test_it_refuses_max_tokens_out_of_range(post, max_tokens):
+    post(json_body(**chat_body("hi", max_tokens=max_tokens)), 400, param="max_tokens")
+
+
+@pytest.mark.parametrize("field,value", [("temperature", 3), ("top_p", 0), ("stop", ["a", "b", "c", "d", "e"]), ("n", 2)])
+def test_it_refuses_sampling_parameters_out_of_range(post, field, value):
+    post(json_body(**chat_body("hi", **{field: value})), 400, param=field)
+
+
+def test_it_refuses_a_prompt_longer_than_the_context(post):
+    post(json_body(**chat_body("tea " * 9000)), 400, code="context_length_exceeded")
+
+
+def test_it_refuses_a_body_over_one_mebibyte(post):
+    post(json_body(**chat_body("x" * (1024 * 1024 + 10))), 413)
+
+
+def test_it_refuses_a_missing_key(post):
+    post(json_body(**chat_body("hi")), 401, headers={"Authorization": ""}, code="invalid_api_key")
+
+
+def test_it_refuses_a_wrong_key(post):
+    post(json_body(**chat_body("hi")), 401, headers={"Authorization": "Bearer tsk-not-a-key"}, code="invalid_api_key")
+
+
+def test_models_need_a_key(live_service):
+    response = httpx.get(f"{live_service.url}/v1/models")
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"

@@ -1,0 +1,60 @@
+"""The events URL replays a request's stream after Last-Event-ID, for its owner only."""
+
+import httpx
+import pytest
+
+from billing.models import ApiKey
+from tests.sse import auth, chat_body, content_of, events, stream_chat
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def replay(service, key, request_id, header=None, **params):
+    headers = {**auth(key), **({"Last-Event-ID": header} if header else {})}
+    url = f"{service.url}/v1/chat/completions/{request_id}/events"
+    with httpx.stream("GET", url, headers=headers, params=params, timeout=60) as response:
+        return response.status_code, list(events(response)) if response.status_code == 200 else response.read()
+
+
+@pytest.fixture
+def finished(live_service, api_key):
+    return stream_chat(live_service, api_key, chat_body("Name five colours.", temperature=0, max_tokens=20, stream=True))
+
+
+def test_it_replays_exactly_the_events_after_the_last_one_seen(live_service, api_key, finished):
+    request_id = finished[0][1]["id"]
+    cut = 4
+    status, rest = replay(live_service, api_key, request_id, header=finished[cut - 1][0])
+    assert status == 200
+    assert content_of(d for _, d in finished[:cut]) + content_of(d for _, d in rest[:-1]) == content_of(d for _, d in finished[:-1])
+    assert [i for i, _ in rest][0] == finished[cut][0]
+    assert rest[-1][1] == "[DONE]"
+
+
+def test_a_resume_from_inside_the_last_entry_sends_only_what_is_missing(live_service, api_key, finished):
+    request_id = finished[0][1]["id"]
+    status, rest = replay(live_service, api_key, request_id, header=finished[-2][0])
+    assert status == 200
+    # After the finish chunk: the usage chunk (the events view always includes it), then [DONE].
+    [(_, usage), (_, done)] = rest
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 20
+    assert done == "[DONE]"
+
+
+def test_it_answers_204_once_everything_was_seen(live_service, api_key, finished):
+    request_id = finished[0][1]["id"]
+    status, _ = replay(live_service, api_key, request_id, header=finished[-1][0])
+    assert status == 204
+
+
+def test_the_query_parameter_works_for_clients_without_headers(live_service, api_key, finished):
+    request_id = finished[0][1]["id"]
+    status, rest = replay(live_service, api_key, request_id, last_event_id=finished[-2][0])
+    assert status == 200 and len(rest) == 2 and rest[-1][1] == "[DONE]"
+
+
+def test_only_the_owner_may_read_it(live_service, api_key, finished):
+    _, other = ApiKey.issue("someone else")
+    request_id = finished[0][1]["id"]
+    assert replay(live_service, other, request_id)[0] == 404
+    assert replay(live_service, "tsk-wrong", request_id)[0] == 401

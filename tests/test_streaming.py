@@ -1,0 +1,108 @@
+"""End to end with the real model: Daphne, a Celery worker, Redis and the database."""
+
+import time
+
+import httpx
+import pytest
+
+from billing.models import UsageEntry
+from tests.sse import MODEL, auth, chat_body, content_of, events, stream_chat
+
+pytestmark = pytest.mark.django_db(transaction=True)
+PROMPT = "List three facts about the Moon."
+
+
+def test_it_streams_what_the_whole_completion_says(live_service, api_key):
+    body = chat_body(PROMPT, temperature=0, max_tokens=40)
+    whole = httpx.post(f"{live_service.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=120).json()
+    streamed = stream_chat(live_service, api_key, {**body, "stream": True})
+    chunks = [data for _, data in streamed[:-1]]
+    assert content_of(chunks) == whole["choices"][0]["message"]["content"]
+    assert len([c for c in chunks if c["choices"][0]["delta"].get("content")]) > 3  # it really streamed
+    assert whole["object"] == "chat.completion"
+    assert whole["usage"]["completion_tokens"] <= 40
+
+
+def test_chunks_follow_the_openai_stream_shape(live_service, api_key):
+    streamed = stream_chat(live_service, api_key, chat_body(PROMPT, temperature=0, max_tokens=12, stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1][1] == "[DONE]"
+    chunks = [data for _, data in streamed[:-1]]
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}
+    assert {c["created"] for c in chunks} == {chunks[0]["created"]}
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:-1])
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    assert all(c["usage"] is None for c in chunks[:-1])
+    ids = [event_id for event_id, _ in streamed]
+    assert all(ids) and len(set(ids)) == len(ids)
+    assert ids == sorted(ids, key=event_order)
+
+
+def event_order(event_id):
+    entry, _, part = event_id.partition(".")
+    ms, seq = entry.split("-")
+    return int(ms), int(seq), int(part) if part else float("inf")
+
+
+def test_the_usage_chunk_equals_the_ledger_entry(live_service, api_key):
+    streamed = stream_chat(live_service, api_key, chat_body("Say hello.", temperature=0, max_tokens=30, stream=True, stream_options={"include_usage": True}))
+    usage_chunk = streamed[-2][1]
+    entry = UsageEntry.objects.get(request_id=usage_chunk["id"])
+    assert usage_chunk["usage"] == {
+        "prompt_tokens": entry.prompt_tokens,
+        "completion_tokens": entry.completion_tokens,
+        "total_tokens": entry.prompt_tokens + entry.completion_tokens,
+    }
+    assert entry.status in ("completed", "length")
+    assert entry.api_key.name == "test"
+    assert entry.received_at <= entry.started_at <= entry.first_token_at <= entry.finished_at
+    assert entry.tokenizer.startswith(MODEL)
+
+
+def test_a_client_that_leaves_cancels_its_request(live_service, api_key):
+    body = chat_body("Write a long essay about the history of tea.", max_tokens=400, stream=True, temperature=0.7, seed=1)
+    with httpx.stream("POST", f"{live_service.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=60) as response:
+        request_id = None
+        for n, (_, data) in enumerate(events(response)):
+            request_id = data["id"]
+            if n == 2:
+                break  # leave after the first deltas
+    entry = wait_for_entry(request_id, seconds=10)
+    assert entry.status == "cancelled"
+    assert entry.finish_reason == "cancelled"
+    assert 3 <= entry.completion_tokens < 100
+    assert entry.prompt_tokens > 0
+
+
+def test_a_stop_string_ends_the_stream_without_showing_it(live_service, api_key):
+    body = chat_body("Count from 1 to 10, separated by commas.", temperature=0, max_tokens=40, stream=True)
+    full = content_of(data for _, data in stream_chat(live_service, api_key, body)[:-1])
+    assert "5" in full
+    cut = content_of(data for _, data in stream_chat(live_service, api_key, {**body, "stop": ["5"]})[:-1])
+    assert cut == full[: full.index("5")]
+
+
+def test_models_are_listed(live_service, api_key):
+    response = httpx.get(f"{live_service.url}/v1/models", headers=auth(api_key))
+    assert response.status_code == 200
+    assert [m["id"] for m in response.json()["data"]] == [MODEL]
+
+
+def test_health_reports_database_redis_and_workers(live_service):
+    response = httpx.get(f"{live_service.url}/healthz")
+    assert response.status_code == 200
+    body = response.json()
+    assert body["checks"]["workers"]["models"] == [MODEL]
+    assert all(check["ok"] for check in body["checks"].values())
+
+
+def wait_for_entry(request_id, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        entry = UsageEntry.objects.filter(request_id=request_id).first()
+        if entry:
+            return entry
+        time.sleep(0.1)
+    raise AssertionError(f"no ledger entry for {request_id} after {seconds} s")

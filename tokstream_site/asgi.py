@@ -1,0 +1,30 @@
+import os
+
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tokstream_site.settings")
+# Sets Django up before the imports below touch models. Static files are served by the app
+# itself, so a fresh checkout needs no collectstatic; a proxy in front may serve them instead.
+django_app = ASGIStaticFilesHandler(get_asgi_application())
+
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.urls import path, re_path  # noqa: E402
+
+from inference import registry  # noqa: E402
+from inference.sse import ChatCompletions, CompletionEvents  # noqa: E402
+
+registry.warm_tokenizers()
+
+application = ProtocolTypeRouter(
+    {
+        "http": URLRouter(
+            [
+                path("v1/chat/completions", ChatCompletions()),
+                path("v1/chat/completions/<str:request_id>/events", AuthMiddlewareStack(CompletionEvents())),
+                re_path(r"", django_app),
+            ]
+        ),
+    }
+)

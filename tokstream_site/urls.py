@@ -1,0 +1,16 @@
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from inference import views
+
+urlpatterns = [
+    path("", views.chat_page, name="chat"),
+    path("api/chat/completions", views.chat_create, name="chat-create"),
+    path("api/chat/completions/<str:request_id>/cancel", views.chat_cancel, name="chat-cancel"),
+    path("v1/models", views.models, name="models"),
+    path("healthz", views.healthz, name="healthz"),
+    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("admin/", admin.site.urls),
+]
