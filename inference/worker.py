@@ -42,16 +42,26 @@ class EngineLoop(threading.Thread):
 
     def run(self):
         while True:
-            self.heartbeat()
-            if not self.engine.has_work():
-                self.wake.wait(timeout=settings.TOKSTREAM_WORKER_TTL / 3)
-                self.wake.clear()
-                continue
-            self.deliver(self.step())
+            try:
+                self.run_once()
+            except Exception:  # Redis went away, say: the loop must outlive it
+                log.exception("engine loop iteration failed")
+                time.sleep(1)
 
-    def step(self):
+    def run_once(self):
+        self.heartbeat()
+        if not self.engine.has_work():
+            self.wake.wait(timeout=settings.TOKSTREAM_WORKER_TTL / 3)
+            self.wake.clear()
+            return
+        self.apply_cancel_flags()
+        self.deliver(self.step())
+
+    def apply_cancel_flags(self):
         for request_id in streamlog.cancelled_among(self.redis, [r.request_id for r in self.engine.running]):
             self.engine.cancel(request_id)
+
+    def step(self):
         try:
             return self.engine.step()
         except Exception as exc:  # the model failed: end the live requests, keep serving

@@ -5,6 +5,8 @@ import shutil
 import pytest
 from playwright.sync_api import sync_playwright
 
+from django.db import connections
+
 from billing.models import UsageEntry
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -44,6 +46,9 @@ def page(live_service, transactional_db, monkeypatch):
         page.wait_for_selector("#prompt")
         yield page
         browser.close()
+        # Inside Playwright's loop the ORM opened a connection of its own; close it here, or
+        # the test database cannot be dropped at the end.
+        connections.close_all()
 
 
 def test_a_reply_grows_in_steps_and_ends_with_its_usage(page):

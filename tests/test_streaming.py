@@ -76,6 +76,14 @@ def test_a_client_that_leaves_cancels_its_request(live_service, api_key):
     assert entry.prompt_tokens > 0
 
 
+def test_a_client_that_leaves_a_whole_completion_cancels_it(live_service, api_key):
+    body = chat_body("Write a long essay about the history of tea.", max_tokens=400, temperature=0.7, seed=1)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{live_service.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=httpx.Timeout(10, read=1.5))
+    entry = wait_for_entry_where(status="cancelled", seconds=10)
+    assert 0 < entry.completion_tokens < 400
+
+
 def test_a_stop_string_ends_the_stream_without_showing_it(live_service, api_key):
     body = chat_body("Count from 1 to 10, separated by commas.", temperature=0, max_tokens=40, stream=True)
     full = content_of(data for _, data in stream_chat(live_service, api_key, body)[:-1])
@@ -99,10 +107,14 @@ def test_health_reports_database_redis_and_workers(live_service):
 
 
 def wait_for_entry(request_id, seconds):
+    return wait_for_entry_where(request_id=request_id, seconds=seconds)
+
+
+def wait_for_entry_where(seconds, **fields):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        entry = UsageEntry.objects.filter(request_id=request_id).first()
+        entry = UsageEntry.objects.filter(**fields).first()
         if entry:
             return entry
         time.sleep(0.1)
-    raise AssertionError(f"no ledger entry for {request_id} after {seconds} s")
+    raise AssertionError(f"no ledger entry with {fields} after {seconds} s")

@@ -1,0 +1,123 @@
+"""What the service path costs over the bare engine, for one stream with the real model.
+
+Runs both in one command, so the machine's noise hits both alike:
+  baseline: Engine.step() in this process (prefill + greedy decode), no Django, Celery or Redis;
+  service:  POST /v1/chat/completions stream=true through Daphne, Celery, the Redis Stream log.
+Prints time to first token and tokens/s for each, and the ratios.
+
+    .venv/bin/python bench/stream_overhead.py [--runs 5] [--tokens 64]
+"""
+
+import argparse
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+DB = Path(tempfile.mkdtemp()) / "bench.sqlite3"
+os.environ.update(DATABASE_URL=f"sqlite:///{DB}", TOKSTREAM_REDIS_PREFIX=f"tokstream-bench-{os.getpid()}")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tokstream_site.settings")
+os.environ["REDIS_URL"] = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/14")
+
+import django  # noqa: E402
+
+django.setup()
+logging.getLogger("httpx").setLevel(logging.WARNING)
+
+import httpx  # noqa: E402
+from django.core.management import call_command  # noqa: E402
+
+from billing.models import ApiKey  # noqa: E402
+from inference import registry  # noqa: E402
+from inference.engine import Engine, Request, SamplingParams  # noqa: E402
+from inference.engine.runner import HFRunner  # noqa: E402
+from tokstream_site import processes  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+MESSAGES = [{"role": "user", "content": "Tell me about the history of tea in a few paragraphs."}]
+
+
+def engine_run(engine, prompt, tokens):
+    start = time.perf_counter()
+    engine.add(Request(str(start), prompt, SamplingParams(max_tokens=tokens, temperature=0)))
+    first, count = None, 0
+    while engine.has_work():
+        for output in engine.step():
+            first = first or time.perf_counter()
+            count = output.completion_tokens
+    return first - start, count / (time.perf_counter() - first)
+
+
+def service_run(url, key, tokens):
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "temperature": 0, "max_tokens": tokens,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    start = time.perf_counter()
+    first = count = None
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and first is None:
+                first = time.perf_counter()
+            if '"usage":{"prompt_tokens"' in line:
+                count = int(line.split('"completion_tokens":')[1].split(",")[0])
+    return first - start, count / (time.perf_counter() - first)
+
+
+def start_service(port):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log = open(DB.parent / "service.log", "w")
+    children = [
+        subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        for cmd in (processes.worker_command(4, hostname=f"bench-{port}@%h"), processes.daphne_command("127.0.0.1", port))
+    ]
+    for _ in range(300):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
+                return children
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"the service did not start; see {DB.parent / 'service.log'}")
+
+
+def summary(name, runs):
+    ttft = statistics.median(r[0] for r in runs) * 1000
+    rate = statistics.median(r[1] for r in runs)
+    print(f"{name:9s} TTFT {ttft:7.1f} ms   {rate:6.1f} tokens/s   (median of {len(runs)})")
+    return ttft, rate
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--port", type=int, default=8099)
+    args = parser.parse_args()
+    call_command("migrate", verbosity=0)
+    _, key = ApiKey.issue("bench")
+    children = start_service(args.port)
+    try:
+        model = registry.load(MODEL)
+        runner = HFRunner(model.model, model.device)
+        engine = Engine(runner, model.tokenizer, model.stop_ids, model.context_length)
+        prompt = model.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+        engine_run(engine, prompt, 4)  # warm up
+        service_run(f"http://127.0.0.1:{args.port}", key, 4)
+        base, service = [], []
+        for _ in range(args.runs):  # interleaved, so drift in the machine's speed hits both
+            base.append(engine_run(engine, prompt, args.tokens))
+            service.append(service_run(f"http://127.0.0.1:{args.port}", key, args.tokens))
+    finally:
+        for child in children:
+            child.terminate()
+    b, s = summary("engine", base), summary("service", service)
+    print(f"service/engine: TTFT x{s[0] / b[0]:.2f}, tokens/s x{s[1] / b[1]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
