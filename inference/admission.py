@@ -28,6 +28,13 @@ class Admitted:
     created: int
     prompt_tokens: int
 
+    def meta(self, owner):
+        return {"owner": owner.label, "model": self.model, "created": self.created, "prompt_tokens": self.prompt_tokens}
+
+    @classmethod
+    def from_meta(cls, request_id, meta):
+        return cls(request_id, meta["model"], int(meta["created"]), int(meta["prompt_tokens"]))
+
 
 def prompt_ids(chat):
     try:
@@ -48,7 +55,7 @@ def admit(chat, owner):
     )
     admitted = Admitted(f"chatcmpl-{uuid.uuid4().hex}", chat.model, int(time.time()), len(ids))
     client = streamlog.sync_client()
-    streamlog.save_meta(client, admitted.request_id, {"owner": owner.label, "model": chat.model, "created": admitted.created})
+    streamlog.save_meta(client, admitted.request_id, admitted.meta(owner))
     params = {"max_tokens": max_tokens, "temperature": chat.temperature, "top_p": chat.top_p, "seed": chat.seed, "stop": chat.stop}
     generate.apply_async(
         kwargs={

@@ -8,8 +8,14 @@ from .errors import ApiError
 class ChunkWriter:
     """Every chunk of one request carries the same id and created (as OpenAI's do)."""
 
-    def __init__(self, request_id, model, created, include_usage=False, continuous_usage=False, resumed=False):
-        self.base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+    def __init__(self, admitted, include_usage=False, continuous_usage=False, resumed=False):
+        self.base = {
+            "id": admitted.request_id,
+            "object": "chat.completion.chunk",
+            "created": admitted.created,
+            "model": admitted.model,
+        }
+        self.prompt_tokens = admitted.prompt_tokens
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
         self.role_sent = resumed
@@ -25,8 +31,12 @@ class ChunkWriter:
             delta = {"role": "assistant", **delta}
             self.role_sent = True
         chunk = self.chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
-        if self.continuous_usage:
-            chunk["usage"] = {"completion_tokens": entry["n"]}
+        if self.continuous_usage:  # as vLLM's continuous_usage_stats: the usage so far
+            chunk["usage"] = {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": entry["n"],
+                "total_tokens": self.prompt_tokens + entry["n"],
+            }
         return chunk
 
     def end_chunks(self, entry):

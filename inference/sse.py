@@ -17,7 +17,7 @@ from django.conf import settings
 from billing.models import ApiKey
 
 from . import chat_request, streamlog
-from .admission import Owner, admit
+from .admission import Admitted, Owner, admit
 from .chunks import ChunkWriter, completion, resume_point, sse_frames
 from .errors import ApiError, not_found, unauthorized
 
@@ -155,7 +155,7 @@ class ChatCompletions:
             return await send_json(send, error.status, error.body())
         async with streamlog.async_client() as client:
             if chat.stream:
-                writer = ChunkWriter(admitted.request_id, admitted.model, admitted.created, chat.include_usage, chat.continuous_usage)
+                writer = ChunkWriter(admitted, chat.include_usage, chat.continuous_usage)
                 work = relay_sse(send, client, writer, admitted.request_id)
             else:
                 work = respond_whole(send, client, admitted)
@@ -186,7 +186,8 @@ class CompletionEvents:
         except ApiError as exc:
             return await send_json(send, exc.status, exc.body())
         last_id = header(scope, b"last-event-id") or query(scope, "last_event_id")
-        writer = ChunkWriter(request_id, meta["model"], int(meta["created"]), resumed=bool(last_id), continuous_usage=True, include_usage=True)
+        admitted = Admitted.from_meta(request_id, meta)
+        writer = ChunkWriter(admitted, include_usage=True, continuous_usage=True, resumed=bool(last_id))
         async with streamlog.async_client() as client:
             if last_id and await self.seen_the_end(client, request_id, last_id):
                 # 204 tells EventSource to stop reconnecting: there is nothing more to send.

@@ -46,6 +46,17 @@ def event_order(event_id):
     return int(ms), int(seq), int(part) if part else float("inf")
 
 
+def test_continuous_usage_counts_every_token_as_it_comes(live_service, api_key):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    streamed = stream_chat(live_service, api_key, chat_body(PROMPT, temperature=0, max_tokens=16, stream=True, stream_options=options))
+    chunks = [data for _, data in streamed[:-1]]
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert counts == sorted(counts) and len(set(counts)) == len(counts) > 3
+    final = chunks[-1]["usage"]
+    assert counts[-1] <= final["completion_tokens"] == 16
+    assert {c["usage"]["prompt_tokens"] for c in chunks if c["usage"]} == {final["prompt_tokens"]}
+
+
 def test_the_usage_chunk_equals_the_ledger_entry(live_service, api_key):
     streamed = stream_chat(live_service, api_key, chat_body("Say hello.", temperature=0, max_tokens=30, stream=True, stream_options={"include_usage": True}))
     usage_chunk = streamed[-2][1]
