@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install model migrate run test browser
+.PHONY: install model migrate run test test-deps
 
 $(INSTALLED): requirements.txt requirements-model.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,11 +24,15 @@ migrate: install
 run: model migrate
 	$(PY) manage.py serve
 
-# The browser tests drive Debian's Chromium; Playwright cannot download one here.
-browser:
-	@command -v chromium >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
-	  else echo "The browser tests need Chromium: sudo apt-get install chromium" >&2; exit 1; fi; }
+# The tests start their own redis-server, and drive Debian's Chromium (Playwright cannot
+# download a browser here).
+TEST_PACKAGES := chromium redis-server
+test-deps:
+	@missing=$$(for p in $(TEST_PACKAGES); do command -v $$p >/dev/null || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  else echo "The tests need: sudo apt-get install $$missing" >&2; exit 1; fi; \
+	fi
 
-test: model browser
+test: model test-deps
 	$(PY) -m pytest

@@ -1,4 +1,4 @@
-from django.contrib import admin
+from django.contrib import admin, messages
 
 from .models import ApiKey, UsageEntry
 
@@ -26,3 +26,10 @@ class ApiKeyAdmin(admin.ModelAdmin):
     list_display = ["name", "prefix", "user", "created_at", "revoked_at"]
     readonly_fields = ["prefix", "created_at"]
     search_fields = ["name", "prefix"]
+
+    def save_model(self, request, obj, form, change):
+        if change:
+            return super().save_model(request, obj, form, change)
+        raw = obj.new_secret()
+        super().save_model(request, obj, form, change)
+        messages.warning(request, f"The new key is {raw} — copy it now, it is not shown again.")

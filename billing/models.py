@@ -26,13 +26,27 @@ class ApiKey(models.Model):
     @classmethod
     def issue(cls, name, user=None):
         """Create a key; the raw key is returned once and never stored."""
-        raw = KEY_PREFIX + secrets.token_urlsafe(32)
-        key = cls.objects.create(name=name, prefix=raw[:12], key_hash=hash_key(raw), user=user)
+        key = cls(name=name, user=user)
+        raw = key.new_secret()
+        key.save()
         return key, raw
+
+    def new_secret(self):
+        raw = KEY_PREFIX + secrets.token_urlsafe(32)
+        self.prefix, self.key_hash = raw[:12], hash_key(raw)
+        return raw
 
     @classmethod
     def authenticate(cls, raw):
         return cls.objects.filter(key_hash=hash_key(raw), revoked_at__isnull=True).first()
+
+    @classmethod
+    def from_authorization(cls, header):
+        """The live key named by an `Authorization: Bearer KEY` header, or None."""
+        scheme, _, raw = header.partition(" ")
+        if scheme.lower() != "bearer" or not raw.strip():
+            return None
+        return cls.authenticate(raw.strip())
 
 
 class AppendOnlyError(Exception):
@@ -81,10 +95,3 @@ class UsageEntry(models.Model):
 
     def delete(self, *args, **kwargs):
         raise AppendOnlyError("ledger entries are never deleted")
-
-    def usage(self):
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.total_tokens,
-        }

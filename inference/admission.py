@@ -8,7 +8,7 @@ from django.conf import settings
 
 from . import registry, streamlog
 from .chat_request import checked_max_tokens
-from .errors import ApiError
+from .errors import ApiError, not_found
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,18 @@ class Admitted:
         return cls(request_id, meta["model"], int(meta["created"]), int(meta["prompt_tokens"]))
 
 
+def owned_meta(meta, owner, request_id):
+    """The request's metadata if `owner` made it; otherwise it does not exist for them."""
+    if not meta or meta["owner"] != owner.label:
+        raise not_found(f"No request {request_id!r} is known.", param="id")
+    return meta
+
+
+def check_served(client, model):
+    if model not in streamlog.served_models(streamlog.workers(client)):
+        raise ApiError(503, f"No worker is serving `{model}` right now; try again shortly.", type="server_error", code="model_unavailable")
+
+
 def prompt_ids(chat):
     try:
         tokenizer = registry.tokenizer(chat.model)
@@ -53,8 +65,9 @@ def admit(chat, owner):
     max_tokens = checked_max_tokens(
         chat, len(ids), registry.context_length(chat.model), settings.TOKSTREAM_DEFAULT_MAX_TOKENS
     )
-    admitted = Admitted(f"chatcmpl-{uuid.uuid4().hex}", chat.model, int(time.time()), len(ids))
     client = streamlog.sync_client()
+    check_served(client, chat.model)
+    admitted = Admitted(f"chatcmpl-{uuid.uuid4().hex}", chat.model, int(time.time()), len(ids))
     streamlog.save_meta(client, admitted.request_id, admitted.meta(owner))
     params = {"max_tokens": max_tokens, "temperature": chat.temperature, "top_p": chat.top_p, "seed": chat.seed, "stop": chat.stop}
     generate.apply_async(

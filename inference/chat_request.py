@@ -34,6 +34,8 @@ def parse(body, content_type):
     if not isinstance(data, dict):
         raise invalid("The body must be a JSON object.")
     check_n(data)
+    if data.get("stream_options") is not None and not data.get("stream"):
+        raise invalid("`stream_options` is only allowed when `stream` is true.", param="stream_options")
     return ChatRequest(
         model=model_of(data),
         messages=messages_of(data),
@@ -83,7 +85,7 @@ def content_text(content, param):
 
 
 def check_n(data):
-    if data.get("n", 1) != 1:
+    if data.get("n") not in (None, 1):
         raise invalid("Only `n: 1` is supported.", param="n")
 
 

@@ -1,6 +1,7 @@
 """Turn log entries into OpenAI chat.completion.chunk objects and SSE frames."""
 
 import json
+import re
 
 from .errors import ApiError
 
@@ -58,6 +59,7 @@ class ChunkWriter:
 
 
 MAX_STREAM_SEQ = 2**64 - 1
+EVENT_ID = re.compile(r"^\d+-\d+(\.\d+)?$")
 
 
 def sse_frames(entry_id, payloads, done=False, skip=0):
@@ -66,6 +68,11 @@ def sse_frames(entry_id, payloads, done=False, skip=0):
     data = [p and json.dumps(p, separators=(",", ":")) for p in payloads] + (["[DONE]"] if done else [])
     ids = [f"{entry_id}.{k}" for k in range(len(data) - 1)] + [entry_id]
     return "".join(f"id: {i}\ndata: {d}\n\n" for i, d in list(zip(ids, data))[skip:] if d).encode()
+
+
+def error_frames(exc):
+    """An error the log never saw (no id, so a resume does not skip past it), then the end."""
+    return f"data: {json.dumps(exc.body())}\n\ndata: [DONE]\n\n".encode()
 
 
 def resume_point(last_event_id):

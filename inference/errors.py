@@ -1,7 +1,5 @@
 """Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
 
-import json
-
 
 class ApiError(Exception):
     def __init__(self, status, message, type="invalid_request_error", param=None, code=None):
@@ -15,9 +13,6 @@ class ApiError(Exception):
     def body(self):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def json(self):
-        return json.dumps(self.body()).encode()
-
 
 def invalid(message, param=None, code=None):
     return ApiError(400, message, param=param, code=code)
@@ -25,6 +20,10 @@ def invalid(message, param=None, code=None):
 
 def unauthorized():
     return ApiError(401, "Missing or invalid API key: send `Authorization: Bearer KEY`.", code="invalid_api_key")
+
+
+def too_large(limit):
+    return ApiError(413, f"The request body is larger than {limit} bytes.", code="request_too_large")
 
 
 def not_found(message, code=None, param=None):

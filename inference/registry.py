@@ -1,7 +1,6 @@
 """The models this service offers, by public name, as configured in TOKSTREAM_MODELS."""
 
 import functools
-import json
 
 from django.conf import settings
 
@@ -28,8 +27,9 @@ def tokenizer(name):
 
 @functools.cache
 def context_length(name):
-    config = json.loads((folder(name) / "config.json").read_text())
-    return config.get("max_position_embeddings", 2048)
+    from transformers import AutoConfig
+
+    return loader.context_length_of(AutoConfig.from_pretrained(folder(name), local_files_only=True))
 
 
 def warm_tokenizers():

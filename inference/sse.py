@@ -17,15 +17,19 @@ from django.conf import settings
 from billing.models import ApiKey
 
 from . import chat_request, streamlog
-from .admission import Admitted, Owner, admit
-from .chunks import ChunkWriter, completion, resume_point, sse_frames
-from .errors import ApiError, not_found, unauthorized
+from .admission import Admitted, Owner, admit, owned_meta
+from .chunks import EVENT_ID, ChunkWriter, completion, error_frames, resume_point, sse_frames
+from .errors import ApiError, invalid, too_large, unauthorized
 
 log = logging.getLogger(__name__)
 
 
 class ClientGone(Exception):
     pass
+
+
+class WorkerGone(Exception):
+    """No live worker serves the request's model: waiting longer would hang the client."""
 
 
 SSE_HEADERS = [
@@ -48,6 +52,10 @@ async def send_json(send, status, payload, headers=()):
     await send({"type": "http.response.body", "body": body})
 
 
+async def send_error(send, exc):
+    await send_json(send, exc.status, exc.body())
+
+
 async def send_empty(send, status):
     await send({"type": "http.response.start", "status": status, "headers": []})
     await send({"type": "http.response.body", "body": b""})
@@ -55,9 +63,8 @@ async def send_empty(send, status):
 
 async def read_body(scope, receive):
     limit = settings.TOKSTREAM_MAX_BODY_BYTES
-    too_large = ApiError(413, f"The request body is larger than {limit} bytes.", code="request_too_large")
     if header(scope, b"content-length").isdigit() and int(header(scope, b"content-length")) > limit:
-        raise too_large
+        raise too_large(limit)
     body = bytearray()
     while True:
         message = await receive()
@@ -65,16 +72,13 @@ async def read_body(scope, receive):
             raise ClientGone
         body += message.get("body", b"")
         if len(body) > limit:
-            raise too_large
+            raise too_large(limit)
         if not message.get("more_body"):
             return bytes(body)
 
 
 async def bearer_owner(scope):
-    auth = header(scope, b"authorization")
-    if not auth.startswith("Bearer "):
-        return None
-    key = await database_sync_to_async(ApiKey.authenticate)(auth.removeprefix("Bearer ").strip())
+    key = await database_sync_to_async(ApiKey.from_authorization)(header(scope, b"authorization"))
     return Owner(api_key_id=key.pk, user_id=key.user_id) if key else None
 
 
@@ -102,41 +106,66 @@ async def until_disconnect(receive, work):
     return left
 
 
-async def entries(client, request_id, last_id, on_idle=None):
-    """Yield (id, entry) from the log after last_id until the end entry, live."""
+async def entries(client, admitted, last_id, on_idle=None):
+    """Yield (id, entry) from the log after last_id until the end entry, live.
+
+    Raises WorkerGone after two idle intervals in a row without a live worker for the model
+    (one could be a worker restarting, or busy with a long prefill).
+    """
     block_ms = settings.TOKSTREAM_KEEPALIVE_SECONDS * 1000
+    orphaned = 0
     while True:
-        batch = await streamlog.read_after(client, request_id, last_id, block_ms)
-        if not batch and on_idle:
-            await on_idle()
+        batch = await streamlog.read_after(client, admitted.request_id, last_id, block_ms)
+        if not batch:
+            orphaned = 0 if await model_served(client, admitted.model) else orphaned + 1
+            if orphaned == 2:
+                raise WorkerGone(f"No worker is serving `{admitted.model}`; the request was abandoned.")
+            if on_idle:
+                await on_idle()
         for last_id, entry in batch:
             yield last_id, entry
             if entry["t"] == "end":
                 return
 
 
-async def relay_sse(send, client, writer, request_id, last_event_id=""):
+async def model_served(client, model):
+    return model in streamlog.served_models(await streamlog.workers(client))
+
+
+def worker_gone_error(exc):
+    return ApiError(503, str(exc), type="server_error", code="worker_unavailable")
+
+
+async def relay_sse(send, client, writer, admitted, last_event_id=""):
     async def body(data):
         await send({"type": "http.response.body", "body": data, "more_body": True})
 
     last_id, skip = resume_point(last_event_id) if last_event_id else ("0-0", 0)
-    await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, (b"x-request-id", request_id.encode())]})
+    headers = [*SSE_HEADERS, (b"x-request-id", admitted.request_id.encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
     await body(b"retry: 3000\n\n")
-    async for entry_id, entry in entries(client, request_id, last_id, on_idle=lambda: body(b": keep-alive\n\n")):
-        await body(sse_frames(entry_id, writer.chunks(entry), done=entry["t"] == "end", skip=skip))
-        skip = 0
+    try:
+        async for entry_id, entry in entries(client, admitted, last_id, on_idle=lambda: body(b": keep-alive\n\n")):
+            await body(sse_frames(entry_id, writer.chunks(entry), done=entry["t"] == "end", skip=skip))
+            skip = 0
+    except WorkerGone as exc:
+        await streamlog.cancel(client, admitted.request_id)
+        await body(error_frames(worker_gone_error(exc)))
     await send({"type": "http.response.body", "body": b""})
 
 
 async def respond_whole(send, client, admitted):
     text = []
-    async for _, entry in entries(client, admitted.request_id, "0-0"):
-        if entry["t"] == "delta":
-            text.append(entry["text"])
     try:
+        async for _, entry in entries(client, admitted, "0-0"):
+            if entry["t"] == "delta":
+                text.append(entry["text"])
         await send_json(send, 200, completion(admitted, "".join(text), entry))
+    except WorkerGone as exc:
+        await streamlog.cancel(client, admitted.request_id)
+        await send_error(send, worker_gone_error(exc))
     except ApiError as exc:
-        await send_json(send, exc.status, exc.body())
+        await send_error(send, exc)
 
 
 class ChatCompletions:
@@ -146,21 +175,21 @@ class ChatCompletions:
         try:
             chat, admitted = await self.admit(scope, receive)
         except ApiError as exc:
-            return await send_json(send, exc.status, exc.body())
+            return await send_error(send, exc)
         except ClientGone:
             return
         except Exception:
             log.exception("admission failed")
-            error = ApiError(500, "The server failed to accept the request.", type="server_error")
-            return await send_json(send, error.status, error.body())
-        async with streamlog.async_client() as client:
-            if chat.stream:
-                writer = ChunkWriter(admitted, chat.include_usage, chat.continuous_usage)
-                work = relay_sse(send, client, writer, admitted.request_id)
-            else:
-                work = respond_whole(send, client, admitted)
-            if await until_disconnect(receive, work):
-                await streamlog.cancel(client, admitted.request_id)
+            return await send_error(send, ApiError(500, "The server failed to accept the request.", type="server_error"))
+        client = streamlog.async_client()
+        if chat.stream:
+            writer = ChunkWriter(admitted, chat.include_usage, chat.continuous_usage)
+            work = relay_sse(send, client, writer, admitted)
+        else:
+            work = respond_whole(send, client, admitted)
+        # Counted as a reader, so a resume elsewhere that ends does not cancel this stream.
+        if await follow(receive, work, client, admitted.request_id) is not None:
+            await streamlog.cancel(client, admitted.request_id)
 
     async def admit(self, scope, receive):
         if scope["method"] != "POST":
@@ -181,34 +210,67 @@ class CompletionEvents:
 
     async def __call__(self, scope, receive, send):
         request_id = scope["url_route"]["kwargs"]["request_id"]
+        client = streamlog.async_client()
         try:
-            meta = await self.authorized_meta(scope, request_id)
+            admitted = Admitted.from_meta(request_id, await self.authorized_meta(scope, client, request_id))
+            last_id = last_event_id(scope)
         except ApiError as exc:
-            return await send_json(send, exc.status, exc.body())
-        last_id = header(scope, b"last-event-id") or query(scope, "last_event_id")
-        admitted = Admitted.from_meta(request_id, meta)
+            return await send_error(send, exc)
+        if last_id and await self.seen_the_end(client, request_id, last_id):
+            # 204 tells EventSource to stop reconnecting: there is nothing more to send.
+            return await send_empty(send, 204)
         writer = ChunkWriter(admitted, include_usage=True, continuous_usage=True, resumed=bool(last_id))
-        async with streamlog.async_client() as client:
-            if last_id and await self.seen_the_end(client, request_id, last_id):
-                # 204 tells EventSource to stop reconnecting: there is nothing more to send.
-                return await send_empty(send, 204)
-            await until_disconnect(receive, relay_sse(send, client, writer, request_id, last_id))
+        readers_left = await follow(receive, relay_sse(send, client, writer, admitted, last_id), client, request_id)
+        if readers_left == 0:
+            cancel_unless_followed(client, request_id)
 
     async def seen_the_end(self, client, request_id, last_event_id):
         newest = await streamlog.last_entry(client, request_id)
         return newest is not None and newest[1]["t"] == "end" and newest[0] == last_event_id
 
-    async def authorized_meta(self, scope, request_id):
+    async def authorized_meta(self, scope, client, request_id):
         if scope["method"] != "GET":
             raise ApiError(405, "Use GET for the events of a request.", code="method_not_allowed")
         owner = await bearer_owner(scope) or await session_owner(scope)
         if owner is None:
             raise unauthorized()
-        async with streamlog.async_client() as client:
-            meta = await streamlog.load_meta(client, request_id)
-        if not meta or meta["owner"] != owner.label:
-            raise not_found(f"No request {request_id!r} is known.", param="id")
-        return meta
+        return owned_meta(await streamlog.load_meta(client, request_id), owner, request_id)
+
+
+async def follow(receive, work, client, request_id):
+    """Run `work` as one of the request's readers. Returns None if it ran to its end, or, if
+    the client left first, how many readers the request still has."""
+    await streamlog.add_reader(client, request_id, +1)
+    try:
+        left = await until_disconnect(receive, work)
+    finally:
+        readers = await streamlog.add_reader(client, request_id, -1)
+    return max(readers, 0) if left else None
+
+
+_pending_cancels = set()
+
+
+def cancel_unless_followed(client, request_id):
+    """The last reader left: cancel the request unless one comes back within the grace period
+    (a reload, or EventSource reconnecting after a network drop), so a closed tab stops it."""
+
+    async def later():
+        await asyncio.sleep(settings.TOKSTREAM_ABANDON_SECONDS)
+        if int(await client.get(streamlog.key(request_id, "readers")) or 0) <= 0:
+            await streamlog.cancel(client, request_id)
+
+    task = asyncio.get_running_loop().create_task(later())
+    _pending_cancels.add(task)  # the loop keeps only a weak reference to its tasks
+    task.add_done_callback(_pending_cancels.discard)
+
+
+def last_event_id(scope):
+    """Last-Event-ID from the header, or the query for clients that cannot set headers."""
+    value = header(scope, b"last-event-id") or query(scope, "last_event_id")
+    if value and not EVENT_ID.match(value):
+        raise invalid(f"Last-Event-ID {value!r} is not an id this stream sent.", param="last_event_id")
+    return value
 
 
 def query(scope, name):

@@ -1,38 +1,61 @@
-"""The per-request Redis keys: the delta log (a Stream), its metadata, and the cancel flag.
+"""The service's Redis keys: each request's delta log (a Stream), its metadata and cancel flag,
+and the hash of live workers.
 
 The log is the contract between the worker and the SSE endpoints: ordered, replayable by
-entry id, bounded by MAXLEN and expiring TOKSTREAM_LOG_TTL seconds after its last entry.
+entry id, bounded by MAXLEN and expiring TOKSTREAM_LOG_TTL seconds after its last entry (the
+metadata expires with it).
 """
 
+import asyncio
+import functools
 import json
+import re
+import time
+import weakref
 
 import redis
 import redis.asyncio
 from django.conf import settings
+
+ENTRY_ID = re.compile(r"^\d+-\d+$")
+_async_clients = weakref.WeakKeyDictionary()
 
 
 def key(request_id, kind):
     return f"{settings.TOKSTREAM_REDIS_PREFIX}:req:{request_id}:{kind}"
 
 
-def worker_key(hostname):
-    return f"{settings.TOKSTREAM_REDIS_PREFIX}:worker:{hostname}"
+def workers_key():
+    return f"{settings.TOKSTREAM_REDIS_PREFIX}:workers"
+
+
+@functools.cache
+def _sync_client(url):
+    return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=2, socket_timeout=10)
 
 
 def sync_client():
-    return redis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
+    """One thread-safe client (and connection pool) per process."""
+    return _sync_client(settings.REDIS_URL)
 
 
 def async_client():
-    return redis.asyncio.Redis.from_url(settings.REDIS_URL, decode_responses=True)
+    """One client per event loop: asyncio connections cannot cross loops. No read time-out,
+    since XREAD blocks for up to the keep-alive interval."""
+    loop = asyncio.get_running_loop()
+    if loop not in _async_clients:
+        _async_clients[loop] = redis.asyncio.Redis.from_url(settings.REDIS_URL, decode_responses=True, socket_connect_timeout=2)
+    return _async_clients[loop]
 
 
 def append(client, request_id, entry):
-    """Add one entry (a dict) to the request's log and push its expiry forward."""
+    """Add one entry (a dict) to the request's log and push its expiry, and its metadata's,
+    forward."""
     log = key(request_id, "log")
     with client.pipeline(transaction=False) as pipe:
         pipe.xadd(log, {"e": json.dumps(entry)}, maxlen=settings.TOKSTREAM_LOG_MAXLEN, approximate=True)
         pipe.expire(log, settings.TOKSTREAM_LOG_TTL)
+        pipe.expire(key(request_id, "meta"), settings.TOKSTREAM_LOG_TTL)
         return pipe.execute()[0]
 
 
@@ -56,12 +79,12 @@ def save_meta(client, request_id, meta):
     meta_key = key(request_id, "meta")
     with client.pipeline(transaction=True) as pipe:
         pipe.hset(meta_key, mapping=meta)
-        # Outlives the log: a request may wait in the queue before its first entry.
+        # Until the first entry pushes it forward, it must outlive a wait in the queue.
         pipe.expire(meta_key, settings.TOKSTREAM_LOG_TTL + 3600)
         pipe.execute()
 
 
-# The two below take the sync or the asyncio client; with the latter, await what they return.
+# These take the sync or the asyncio client; with the latter, await what they return.
 
 
 def load_meta(client, request_id):
@@ -72,15 +95,46 @@ def cancel(client, request_id):
     return client.set(key(request_id, "cancel"), "1", ex=settings.TOKSTREAM_LOG_TTL)
 
 
+async def add_reader(client, request_id, delta):
+    """Count the connections following a request's events (delta +1 or -1); returns the count."""
+    readers = key(request_id, "readers")
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.incrby(readers, delta)
+        pipe.expire(readers, settings.TOKSTREAM_LOG_TTL)
+        return (await pipe.execute())[0]
+
+
 def cancelled_among(client, request_ids):
-    """Which of these running requests were asked to stop: one round trip per engine step."""
+    """Which of these live requests were asked to stop: one round trip per engine step."""
     if not request_ids:
         return set()
     flags = client.mget([key(r, "cancel") for r in request_ids])
     return {r for r, flag in zip(request_ids, flags) if flag}
 
 
-def live_workers(client):
-    """Workers whose heartbeat has not expired, each with the models it has loaded."""
-    keys = list(client.scan_iter(match=worker_key("*"), count=100))
-    return [json.loads(value) for value in client.mget(keys) if value] if keys else []
+def heartbeat(client, worker_id, model):
+    """Say that this worker serves `model` for the next TOKSTREAM_WORKER_TTL seconds, and clear
+    the beats of workers that stopped."""
+    beats = workers(client)
+    stale = [field for field, value in beats.items() if json.loads(value)["until"] < time.time()]
+    until = time.time() + settings.TOKSTREAM_WORKER_TTL
+    with client.pipeline(transaction=False) as pipe:
+        pipe.hset(workers_key(), f"{worker_id}:{model}", json.dumps({"model": model, "until": until}))
+        if stale:
+            pipe.hdel(workers_key(), *stale)
+        pipe.execute()
+
+
+def workers(client):
+    """The raw heartbeats (sync or asyncio client); read them with served_models()."""
+    return client.hgetall(workers_key())
+
+
+def served_models(beats):
+    """Model name -> how many live workers serve it."""
+    now, served = time.time(), {}
+    for value in beats.values():
+        beat = json.loads(value)
+        if beat["until"] >= now:
+            served[beat["model"]] = served.get(beat["model"], 0) + 1
+    return served

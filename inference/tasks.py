@@ -1,6 +1,11 @@
-"""The Celery side: run one request on this process's engine and relay it to the Redis log."""
+"""The Celery side: run one request on this process's engine and relay it to the Redis log.
+
+Whatever happens, the request ends with exactly one ledger entry and an end entry in its log,
+so no client is left waiting.
+"""
 
 import logging
+import queue
 import time
 
 from celery import shared_task
@@ -13,6 +18,7 @@ from .engine import Request, SamplingParams
 from .worker import engine_loop
 
 log = logging.getLogger(__name__)
+DRAIN_SECONDS = 30
 
 
 @shared_task(name="inference.tasks.generate")
@@ -21,44 +27,72 @@ def generate(request_id, model, prompt_ids, params, received_at, api_key_id=None
         return  # a second delivery of a request already recorded
     request = Request(request_id, prompt_ids, SamplingParams(**params))
     client = streamlog.sync_client()
+    tokenizer_id = ""
     try:
         loop = engine_loop(model)
         tokenizer_id = loop.model.tokenizer_id
-        final = relay(loop.submit(request), client, request_id)
+        relay(loop, request, client)
     except Exception as exc:
         log.exception("request %s failed", request_id)
-        tokenizer_id, final = "", None
         request.finish_reason, request.error = "error", f"generation failed: {exc}"
-    entry = ledger.record(
-        request_id,
-        final.finish_reason if final else "error",
+    finally:
+        try:
+            record(request, model, tokenizer_id, received_at, api_key_id, user_id)
+        except Exception:  # the client still gets its end; the operator gets the alarm
+            log.critical("no ledger entry could be written for request %s", request_id, exc_info=True)
+        streamlog.append(client, request_id, end_entry(request))
+
+
+def relay(loop, request, client):
+    """Copy the engine's outputs to the log until the request finishes."""
+    outbox = loop.submit(request)
+    try:
+        while True:
+            output = outbox.get()
+            if output.text:
+                streamlog.append(client, request.request_id, {"t": "delta", "text": output.text, "n": output.completion_tokens})
+            if output.finished:
+                return
+    except Exception:
+        # The log cannot take more: stop the engine too, and bill what it did up to then.
+        loop.engine.cancel(request.request_id)
+        wait_until_finished(outbox)
+        raise
+
+
+def wait_until_finished(outbox):
+    deadline = time.monotonic() + DRAIN_SECONDS
+    while time.monotonic() < deadline:
+        try:
+            if outbox.get(timeout=1).finished:
+                return
+        except queue.Empty:
+            pass
+
+
+def record(request, model, tokenizer_id, received_at, api_key_id, user_id):
+    return ledger.record(
+        request.request_id,
+        request.finish_reason or "error",
         api_key_id=api_key_id,
         user_id=user_id,
         model=model,
         tokenizer=tokenizer_id,
         prompt_tokens=request.prefilled,
         completion_tokens=len(request.output_ids),
-        error=(final.error if final else request.error) or "",
+        error=request.error or "",
         received_at=ledger.as_datetime(received_at),
         started_at=ledger.as_datetime(request.started_at),
         first_token_at=ledger.as_datetime(request.first_token_at),
         finished_at=ledger.as_datetime(request.finished_at or time.time()),
     )
-    streamlog.append(client, request_id, end_entry(entry))
 
 
-def relay(outbox, client, request_id):
-    """Copy the engine's outputs to the log until the last one; returns that one."""
-    while True:
-        output = outbox.get()
-        if output.text:
-            streamlog.append(client, request_id, {"t": "delta", "text": output.text, "n": output.completion_tokens})
-        if output.finished:
-            return output
-
-
-def end_entry(entry):
-    end = {"t": "end", "finish_reason": entry.finish_reason, "usage": entry.usage()}
-    if entry.error:
-        end["error"] = entry.error
+def end_entry(request):
+    """The last log entry: the same counts the ledger entry was given."""
+    prompt, completion = request.prefilled, len(request.output_ids)
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    end = {"t": "end", "finish_reason": request.finish_reason or "error", "usage": usage}
+    if request.error:
+        end["error"] = request.error
     return end

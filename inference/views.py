@@ -2,7 +2,9 @@
 
 import functools
 
+from django.conf import settings
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import RequestDataTooBig
 from django.db import connection
 from django.http import JsonResponse
 from django.shortcuts import render
@@ -11,8 +13,8 @@ from django.views.decorators.http import require_GET, require_POST
 from billing.models import ApiKey
 
 from . import chat_request, registry, streamlog
-from .admission import Owner, admit
-from .errors import ApiError, not_found, unauthorized
+from .admission import Owner, admit, owned_meta
+from .errors import ApiError, too_large, unauthorized
 
 
 def error_response(exc):
@@ -22,8 +24,7 @@ def error_response(exc):
 def api_key_required(view):
     @functools.wraps(view)
     def wrapper(request, *args, **kwargs):
-        auth = request.headers.get("Authorization", "")
-        key = ApiKey.authenticate(auth.removeprefix("Bearer ").strip()) if auth.startswith("Bearer ") else None
+        key = ApiKey.from_authorization(request.headers.get("Authorization", ""))
         if key is None:
             return error_response(unauthorized())
         request.api_key = key
@@ -65,10 +66,10 @@ def redis_ok():
 
 
 def workers_ok():
-    workers = streamlog.live_workers(streamlog.sync_client())
-    if not workers:
+    served = streamlog.served_models(streamlog.workers(streamlog.sync_client()))
+    if not served:
         raise RuntimeError("no worker has a model loaded")
-    return {"count": len(workers), "models": sorted({m for w in workers for m in w["models"]})}
+    return {"models": served}
 
 
 @login_required
@@ -83,6 +84,8 @@ def chat_create(request):
     try:
         chat = chat_request.parse(request.body, request.content_type)
         admitted = admit(chat, Owner(user_id=request.user.pk))
+    except RequestDataTooBig:
+        return error_response(too_large(settings.TOKSTREAM_MAX_BODY_BYTES))
     except ApiError as exc:
         return error_response(exc)
     events_url = f"/v1/chat/completions/{admitted.request_id}/events"
@@ -93,8 +96,9 @@ def chat_create(request):
 @require_POST
 def chat_cancel(request, request_id):
     client = streamlog.sync_client()
-    meta = streamlog.load_meta(client, request_id)
-    if meta.get("owner") != Owner(user_id=request.user.pk).label:
-        return error_response(not_found(f"No request {request_id!r} is known.", param="id"))
+    try:
+        owned_meta(streamlog.load_meta(client, request_id), Owner(user_id=request.user.pk), request_id)
+    except ApiError as exc:
+        return error_response(exc)
     streamlog.cancel(client, request_id)
     return JsonResponse({"id": request_id, "cancelled": True})

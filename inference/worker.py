@@ -5,7 +5,6 @@ whenever there is work, checks the cancel flags in Redis once per step, and keep
 key alive so /healthz can tell that a worker has its model loaded.
 """
 
-import json
 import logging
 import os
 import queue
@@ -25,11 +24,13 @@ _loops_lock = threading.Lock()
 
 
 class EngineLoop(threading.Thread):
-    def __init__(self, engine, redis_client, heartbeat):
-        super().__init__(daemon=True, name="engine-loop")
+    def __init__(self, model, engine, redis_client):
+        super().__init__(daemon=True, name=f"engine-{model.name}")
+        self.model = model
         self.engine = engine
         self.redis = redis_client
-        self.heartbeat = heartbeat
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
+        self.last_beat = 0.0
         self.outboxes = {}
         self.wake = threading.Event()
 
@@ -57,8 +58,14 @@ class EngineLoop(threading.Thread):
         self.apply_cancel_flags()
         self.deliver(self.step())
 
+    def heartbeat(self):
+        if time.monotonic() - self.last_beat >= settings.TOKSTREAM_WORKER_TTL / 3:
+            streamlog.heartbeat(self.redis, self.worker_id, self.model.name)
+            self.last_beat = time.monotonic()
+
     def apply_cancel_flags(self):
-        for request_id in streamlog.cancelled_among(self.redis, [r.request_id for r in self.engine.running]):
+        # Waiting requests too: one whose client left while it queued is never prefilled.
+        for request_id in streamlog.cancelled_among(self.redis, self.engine.live_ids()):
             self.engine.cancel(request_id)
 
     def step(self):
@@ -77,27 +84,12 @@ class EngineLoop(threading.Thread):
                 outbox.put(output)
 
 
-def heartbeat_writer(redis_client, model_names):
-    key = streamlog.worker_key(f"{socket.gethostname()}:{os.getpid()}")
-    value = json.dumps({"models": model_names})
-    last = [0.0]
-
-    def beat():
-        if time.monotonic() - last[0] >= settings.TOKSTREAM_WORKER_TTL / 3:
-            redis_client.set(key, value, ex=settings.TOKSTREAM_WORKER_TTL)
-            last[0] = time.monotonic()
-
-    return beat
-
-
 def start_loop(name):
     lm = registry.load(name)
     runner = HFRunner(lm.model, lm.device)
     runner.prefill(lm.tokenizer.encode("warm up"))  # the first forward pass is slow; not a user's
     engine = Engine(runner, lm.tokenizer, lm.stop_ids, lm.context_length, settings.TOKSTREAM_MAX_RUNNING)
-    client = streamlog.sync_client()
-    loop = EngineLoop(engine, client, heartbeat_writer(client, [name]))
-    loop.model = lm
+    loop = EngineLoop(lm, engine, streamlog.sync_client())
     loop.start()
     log.info("model %s loaded on %s", name, lm.device)
     return loop

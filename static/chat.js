@@ -134,6 +134,24 @@ class ReplyStream {
   }
 }
 
+function cancelUrl(id) {
+  return `/api/chat/completions/${id}/cancel`;
+}
+
+// Queue the reply on the server; resolves to {id, events_url} or throws with a message to show.
+async function admitReply(payload) {
+  let response;
+  try {
+    response = await postJSON("/api/chat/completions", payload);
+  } catch {
+    throw new Error("The server could not be reached.");
+  }
+  if (response.redirected) throw new Error("Your session has expired: reload the page and sign in.");
+  const answer = await response.json().catch(() => null);
+  if (!response.ok || !answer) throw new Error(answer?.error?.message || `${response.status} ${response.statusText}`);
+  return answer;
+}
+
 async function send() {
   const content = prompt.value.trim();
   if (!content || current) return;
@@ -144,28 +162,36 @@ async function send() {
   setBusy(true);
   setStatus("generating");
   $("ttft").textContent = $("rate").textContent = $("usage").textContent = "–";
-  const sentAt = performance.now();
-  const response = await postJSON("/api/chat/completions", {
-    model: $("model").value,
-    messages: history,
-    temperature: Number($("temperature").value),
-    max_tokens: Number($("max-tokens").value),
-    stream: true,
-  });
-  const answer = await response.json().catch(() => ({ error: { message: `${response.status} ${response.statusText}` } }));
-  if (!response.ok) {
+  current = { id: null, stopRequested: false, stream: new ReplyStream(turn, performance.now()) };
+  let answer;
+  try {
+    answer = await admitReply({
+      model: $("model").value,
+      messages: history,
+      temperature: Number($("temperature").value),
+      max_tokens: Number($("max-tokens").value),
+      stream: true,
+    });
+  } catch (error) {
     history.pop();
     turn.classList.add("error");
-    turn.querySelector(".body").textContent = answer.error.message;
+    turn.querySelector(".body").textContent = error.message;
     setStatus("error");
+    current = null;
     return setBusy(false);
   }
-  current = { id: answer.id, stream: new ReplyStream(turn, sentAt) };
+  current.id = answer.id;
   current.stream.open(answer.events_url);
+  if (current.stopRequested) stop();
 }
 
 function stop() {
-  if (current) postJSON(`/api/chat/completions/${current.id}/cancel`, {});
+  if (!current) return;
+  if (!current.id) {
+    current.stopRequested = true; // still being queued: stop as soon as it has an id
+    return;
+  }
+  postJSON(cancelUrl(current.id), {});
 }
 
 $("composer").addEventListener("submit", (event) => {

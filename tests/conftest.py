@@ -1,25 +1,33 @@
-"""Shared fixtures. Tests use their own Redis database number and key prefix, so they never
-touch what a running `make run` keeps in Redis, and start the real processes they test."""
+"""Shared fixtures. The tests start the real processes they test; tests/settings.py gives them
+a Redis database and key prefix of their own."""
 
 import os
 import time
-import uuid
-from urllib.parse import urlparse
 
-# Before Django reads its settings: the same Redis server as the service, another database.
-TEST_REDIS_DB = 15
-_redis = urlparse(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
-os.environ["REDIS_URL"] = os.environ.get("TEST_REDIS_URL", _redis._replace(path=f"/{TEST_REDIS_DB}").geturl())
-os.environ["TOKSTREAM_REDIS_PREFIX"] = f"tokstream-test-{uuid.uuid4().hex[:8]}"
-os.environ.setdefault("TOKSTREAM_KEEPALIVE_SECONDS", "2")
+import pytest
 
-import pytest  # noqa: E402
+from tests.service import LiveService
 
-from tests.service import LiveService  # noqa: E402
+
+@pytest.fixture(scope="session", autouse=True)
+def redis_server():
+    """The test session's own redis-server, unless TEST_REDIS_URL named one to use."""
+    if os.environ.get("TOKSTREAM_TEST_OWN_REDIS") != "1":
+        yield None
+        return
+    from django.conf import settings
+
+    from tokstream_site import processes
+
+    server = processes.start_redis(settings.REDIS_URL)
+    yield server
+    if server:
+        server.terminate()
+        server.wait(timeout=10)
 
 
 @pytest.fixture(scope="session")
-def redis_client():
+def redis_client(redis_server):
     from inference import streamlog
 
     client = streamlog.sync_client()

@@ -1,22 +1,16 @@
 """Start the service's real processes for a test session."""
 
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
 
+from tests.settings import free_port
 from tokstream_site import processes
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def database_url(db):

@@ -1,5 +1,6 @@
 """Bad requests get the OpenAI error shape and leave nothing behind: no task, no row, no keys."""
 
+import json
 import os
 
 import httpx
@@ -28,17 +29,16 @@ def post(live_service, api_key, redis_client):
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
         for name, value in expected.items():
             assert error[name] == value
+        # Admission writes the request's metadata just before it queues the task, so no new key
+        # means no task; and no ledger row was written by anyone.
         assert request_keys() == keys_before
         assert UsageEntry.objects.count() == rows_before
-        assert redis_client.llen("inference") == 0
         return error
 
     return post
 
 
 def json_body(**fields):
-    import json
-
     return json.dumps(fields).encode()
 
 
@@ -69,7 +69,10 @@ def test_it_refuses_max_tokens_out_of_range(post, max_tokens):
     post(json_body(**chat_body("hi", max_tokens=max_tokens)), 400, param="max_tokens")
 
 
-@pytest.mark.parametrize("field,value", [("temperature", 3), ("top_p", 0), ("stop", ["a", "b", "c", "d", "e"]), ("n", 2)])
+@pytest.mark.parametrize(
+    "field,value",
+    [("temperature", 3), ("top_p", 0), ("stop", ["a", "b", "c", "d", "e"]), ("n", 2), ("stream_options", {"include_usage": True})],
+)
 def test_it_refuses_sampling_parameters_out_of_range(post, field, value):
     post(json_body(**chat_body("hi", **{field: value})), 400, param=field)
 
@@ -94,3 +97,17 @@ def test_models_need_a_key(live_service):
     response = httpx.get(f"{live_service.url}/v1/models")
     assert response.status_code == 401
     assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_the_page_refuses_a_body_over_one_mebibyte(admin_client):
+    response = admin_client.post("/api/chat/completions", json_body(**chat_body("x" * (1024 * 1024 + 10))), content_type="application/json")
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+
+
+def test_the_page_refuses_a_request_no_worker_can_serve(admin_client, settings, redis_client):
+    settings.TOKSTREAM_REDIS_PREFIX = "tokstream-test-no-workers-here"
+    response = admin_client.post("/api/chat/completions", json_body(**chat_body("hi")), content_type="application/json")
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "model_unavailable"
+    assert not list(redis_client.scan_iter(match="tokstream-test-no-workers-here:*"))

@@ -6,7 +6,7 @@ import pytest
 from django.core.management import call_command
 
 from billing import ledger
-from billing.models import ApiKey, AppendOnlyError, UsageEntry
+from billing.models import KEY_PREFIX, ApiKey, AppendOnlyError, UsageEntry
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
 
@@ -65,3 +65,14 @@ def test_create_api_key_prints_a_key_that_authenticates(capsys):
     key.revoked_at = NOW
     key.save()
     assert ApiKey.authenticate(raw) is None
+
+
+@pytest.mark.django_db
+def test_the_admin_creates_a_key_and_shows_it_once(admin_client):
+    response = admin_client.post("/admin/billing/apikey/add/", {"name": "ci"}, follow=True)
+    shown = [str(m) for m in response.context["messages"] if KEY_PREFIX in str(m)]
+    raw = shown[0].split("The new key is ")[1].split(" ")[0]
+    key = ApiKey.authenticate(raw)
+    assert key.name == "ci" and raw not in admin_client.get(f"/admin/billing/apikey/{key.pk}/change/").content.decode()
+    admin_client.post("/admin/billing/apikey/add/", {"name": "second"})
+    assert ApiKey.objects.count() == 2  # each add makes its own secret

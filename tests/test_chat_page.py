@@ -1,6 +1,7 @@
 """The chat page in a real headless Chromium, against the live service and the real model."""
 
 import shutil
+import time
 
 import pytest
 from playwright.sync_api import sync_playwright
@@ -80,3 +81,23 @@ def test_stop_cancels_the_reply_on_the_server(page):
     assert entry.status == "cancelled"
     assert page.text_content("#status") == "stopped"
     assert page.text_content(".turn.assistant .body").strip()  # the partial reply stays
+
+
+def test_leaving_the_page_cancels_the_reply(page, live_service):
+    page.fill("#prompt", "Write a very long story about a lighthouse keeper.")
+    page.click("#send")
+    page.wait_for_function("document.querySelector('.turn.assistant .body').textContent.length > 20", timeout=60_000)
+    page.goto(f"{live_service.url}/accounts/login/")  # another page: the reply's page is gone
+    entry = wait_for_entry(seconds=15)
+    assert entry.status == "cancelled"
+    assert entry.completion_tokens < 512
+
+
+def wait_for_entry(seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        entry = UsageEntry.objects.first()
+        if entry:
+            return entry
+        time.sleep(0.2)
+    raise AssertionError(f"no ledger entry after {seconds} s")

@@ -46,11 +46,12 @@ def test_it_releases_text_that_only_looked_like_a_stop_string(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, ["<stop-here>"])
     released = []
     for i in tokenizer.encode("a <stop now> b", add_special_tokens=False):
-        released.append(detok.add(i))
-    # "<stop" was held while it could still become "<stop-here>", then let go.
-    assert "".join(released) == "a <stop now> b"
-    held_at = next(i for i, d in enumerate(released) if d.endswith("a"))
-    assert "<" not in "".join(released[: held_at + 1])
+        released.append((tokenizer.decode([i]), detok.add(i)))
+    # The "<" of " <" and then "stop" were held while they could still become "<stop-here>";
+    # " now" let them go, together.
+    assert [d for t, d in released if t in (" <", "stop")] == [" ", ""]
+    assert "<stop now" in [d for _, d in released]
+    assert "".join(d for _, d in released) == "a <stop now> b"
 
 
 def test_it_keeps_a_partial_stop_string_back_until_the_end(tokenizer):

@@ -92,6 +92,17 @@ def test_a_request_cancelled_while_waiting_never_runs_the_model(tokenizer):
     assert runner.prefills == 0
 
 
+def test_a_failing_request_ends_alone(tokenizer):
+    engine, runner = make_engine(tokenizer, {(5,): ids(tokenizer, " fine and well") + [2], (6,): []})
+    engine.add(Request("good", [5], SamplingParams(max_tokens=10, **GREEDY)))
+    engine.add(Request("bad", [6], SamplingParams(max_tokens=10, **GREEDY)))  # its script is empty
+    outputs = run(engine)
+    [bad] = [o for o in outputs if o.request_id == "bad"]
+    assert bad.finish_reason == "error" and "generation failed" in bad.error
+    assert text_of(outputs, "good") == " fine and well"
+    assert outputs[-1].request_id == "good" and outputs[-1].finish_reason == "stop"
+
+
 def test_a_stop_string_ends_the_request(tokenizer):
     engine, _ = make_engine(tokenizer, {(5,): ids(tokenizer, "Sure. Answer: yes.\n\nUser: more") + [2]})
     engine.add(Request("a", [5], SamplingParams(max_tokens=40, stop=["\n\nUser:"], **GREEDY)))
@@ -128,7 +139,8 @@ def test_greedy_decoding_matches_transformers_generate(model):
     engine.add(request)
     run(engine)
     expected = model.model.generate(
-        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        torch.tensor([prompt], device=model.device),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
         max_new_tokens=24, do_sample=False, eos_token_id=sorted(model.stop_ids), pad_token_id=2,
     )[0, len(prompt):].tolist()  # fmt: skip
     assert request.output_ids == expected

@@ -1,9 +1,13 @@
 """The events URL replays a request's stream after Last-Event-ID, for its owner only."""
 
+import json
+
 import httpx
 import pytest
 
 from billing.models import ApiKey
+from inference import streamlog
+from inference.admission import Admitted, Owner
 from tests.sse import auth, chat_body, content_of, events, stream_chat
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -58,3 +62,21 @@ def test_only_the_owner_may_read_it(live_service, api_key, finished):
     request_id = finished[0][1]["id"]
     assert replay(live_service, other, request_id)[0] == 404
     assert replay(live_service, "tsk-wrong", request_id)[0] == 401
+
+
+def test_a_malformed_last_event_id_is_refused(live_service, api_key, finished):
+    status, body = replay(live_service, api_key, finished[0][1]["id"], header="yesterday")
+    assert status == 400
+    assert json.loads(body)["error"]["param"] == "last_event_id"
+
+
+def test_a_stream_whose_model_no_worker_serves_ends_with_an_error(live_service, api_key, redis_client):
+    """A worker that died mid-request must not leave its readers waiting for ever."""
+    key = ApiKey.authenticate(api_key)
+    orphan = Admitted("chatcmpl-orphan", "a-model-no-worker-has", 0, 3)
+    streamlog.save_meta(redis_client, orphan.request_id, orphan.meta(Owner(api_key_id=key.pk)))
+    status, events = replay(live_service, api_key, orphan.request_id)
+    assert status == 200
+    [(_, error), (_, done)] = events
+    assert error["error"]["code"] == "worker_unavailable" and done == "[DONE]"
+    assert redis_client.get(streamlog.key(orphan.request_id, "cancel"))  # a late worker will not start it

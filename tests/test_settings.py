@@ -29,6 +29,8 @@ def start_with(**env):
         ("TOKSTREAM_MODELS", "{not json"),
         ("TOKSTREAM_MODELS", '{"m": "/models/m"}'),
         ("TOKSTREAM_DTYPE", "float8"),
+        ("TOKSTREAM_DEVICE", "gpu0"),
+        ("LOG_LEVEL", "LOUD"),
     ],
 )
 def test_it_names_the_variable_that_is_wrong(name, value):

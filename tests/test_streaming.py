@@ -5,7 +5,7 @@ import time
 import httpx
 import pytest
 
-from billing.models import UsageEntry
+from billing.models import UsageEntry, hash_key
 from tests.sse import MODEL, auth, chat_body, content_of, events, stream_chat
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -57,8 +57,9 @@ def test_continuous_usage_counts_every_token_as_it_comes(live_service, api_key):
     assert {c["usage"]["prompt_tokens"] for c in chunks if c["usage"]} == {final["prompt_tokens"]}
 
 
-def test_the_usage_chunk_equals_the_ledger_entry(live_service, api_key):
-    streamed = stream_chat(live_service, api_key, chat_body("Say hello.", temperature=0, max_tokens=30, stream=True, stream_options={"include_usage": True}))
+def test_the_usage_chunk_equals_the_ledger_entry(live_service, api_key, tokenizer):
+    body = chat_body("Say hello.", temperature=0, max_tokens=30, stream=True)
+    streamed = stream_chat(live_service, api_key, {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
     usage_chunk = streamed[-2][1]
     entry = UsageEntry.objects.get(request_id=usage_chunk["id"])
     assert usage_chunk["usage"] == {
@@ -66,6 +67,12 @@ def test_the_usage_chunk_equals_the_ledger_entry(live_service, api_key):
         "completion_tokens": entry.completion_tokens,
         "total_tokens": entry.prompt_tokens + entry.completion_tokens,
     }
+    # Tokenizer-exact: the ids of the chat template, and one id per decode step.
+    assert entry.prompt_tokens == len(tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True))
+    last_delta = [c for _, c in streamed[:-2] if c["choices"] and c["choices"][0]["delta"].get("content")][-1]
+    finish = streamed[-3][1]["choices"][0]["finish_reason"]
+    # A stop token is produced (and billed) but never shown; a length stop ends on a delta.
+    assert entry.completion_tokens == last_delta["usage"]["completion_tokens"] + (finish == "stop")
     assert entry.status in ("completed", "length")
     assert entry.api_key.name == "test"
     assert entry.received_at <= entry.started_at <= entry.first_token_at <= entry.finished_at
@@ -91,7 +98,8 @@ def test_a_client_that_leaves_a_whole_completion_cancels_it(live_service, api_ke
     body = chat_body("Write a long essay about the history of tea.", max_tokens=400, temperature=0.7, seed=1)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{live_service.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=httpx.Timeout(10, read=1.5))
-    entry = wait_for_entry_where(status="cancelled", seconds=10)
+    entry = wait_for_entry_where(api_key__key_hash=hash_key(api_key), seconds=10)
+    assert entry.status == "cancelled"
     assert 0 < entry.completion_tokens < 400
 
 
@@ -99,8 +107,9 @@ def test_a_stop_string_ends_the_stream_without_showing_it(live_service, api_key)
     body = chat_body("Count from 1 to 10, separated by commas.", temperature=0, max_tokens=40, stream=True)
     full = content_of(data for _, data in stream_chat(live_service, api_key, body)[:-1])
     assert "5" in full
-    cut = content_of(data for _, data in stream_chat(live_service, api_key, {**body, "stop": ["5"]})[:-1])
-    assert cut == full[: full.index("5")]
+    cut = stream_chat(live_service, api_key, {**body, "stop": ["5"]})
+    assert content_of(data for _, data in cut[:-1]) == full[: full.index("5")]
+    assert cut[-2][1]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_models_are_listed(live_service, api_key):
@@ -113,8 +122,14 @@ def test_health_reports_database_redis_and_workers(live_service):
     response = httpx.get(f"{live_service.url}/healthz")
     assert response.status_code == 200
     body = response.json()
-    assert body["checks"]["workers"]["models"] == [MODEL]
+    assert body["checks"]["workers"]["models"] == {MODEL: 1}
     assert all(check["ok"] for check in body["checks"].values())
+
+
+def test_the_worker_loaded_its_model_once(live_service, api_key):
+    for _ in range(2):
+        stream_chat(live_service, api_key, chat_body("Hi", max_tokens=2, stream=True))
+    assert (live_service.logs / "worker.log").read_text().count(f"model {MODEL} loaded") == 1
 
 
 def wait_for_entry(request_id, seconds):

@@ -1,3 +1,4 @@
+import logging
 import os
 
 from celery import Celery
@@ -13,8 +14,14 @@ app.autodiscover_tasks()
 @worker_ready.connect
 def load_models(**kwargs):
     # Load every model before the first task arrives, once per worker process (threads pool).
+    # Celery logs and swallows a signal handler's exception; a worker without its model must
+    # not stay up taking tasks, so it exits.
     from inference import registry
     from inference.worker import engine_loop
 
-    for name in registry.names():
-        engine_loop(name)
+    try:
+        for name in registry.names():
+            engine_loop(name)
+    except Exception:
+        logging.getLogger(__name__).critical("the worker could not load its models", exc_info=True)
+        os._exit(3)

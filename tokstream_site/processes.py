@@ -15,7 +15,7 @@ def daphne_command(host, port):
 
 def worker_command(concurrency, hostname="inference@%h"):
     # The threads pool: one process, one model in memory, and each task a thread that relays
-    # its request while the engine thread batches them all.
+    # its request while the engine thread steps every running request.
     return [
         sys.executable, "-m", "celery", "-A", "tokstream_site", "worker",
         "-Q", "inference", "-P", "threads", "-c", str(concurrency), "-n", hostname, "--loglevel", "INFO",
@@ -38,7 +38,8 @@ def start_redis(url):
         raise SystemExit(f"Redis at REDIS_URL={url} does not answer, and it is not on this machine.")
     if shutil.which("redis-server") is None:
         raise SystemExit("Redis does not answer and redis-server is not installed: `apt-get install redis-server`.")
-    process = subprocess.Popen(["redis-server", "--port", str(parsed.port or 6379), "--save", "", "--appendonly", "no"])
+    command = ["redis-server", "--bind", parsed.hostname, "--port", str(parsed.port or 6379), "--save", "", "--appendonly", "no"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     for _ in range(50):
         if redis_answers(url):
             return process

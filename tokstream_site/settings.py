@@ -1,21 +1,19 @@
+import re
 from pathlib import Path
 from urllib.parse import urlparse
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from .env import env_bool, env_choice, env_int, env_json, env_list, env_str
+from .env import env_bool, env_choice, env_int, env_json, env_list, env_str, local_secret_key
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 CACHE_DIR = Path(env_str("TOKSTREAM_CACHE_DIR", str(BASE_DIR / ".cache")))
 
 DEBUG = env_bool("DEBUG", False)
-SECRET_KEY = env_str("SECRET_KEY", "")
-if not SECRET_KEY:
-    if not DEBUG and env_bool("TOKSTREAM_REQUIRE_SECRET_KEY", False):
-        raise ImproperlyConfigured("SECRET_KEY must be set")
-    # A fresh checkout must run; a fixed development key is only used when none is given.
-    SECRET_KEY = "dev-only-insecure-key-set-SECRET_KEY-in-production"
+# Without SECRET_KEY, each installation makes its own once and keeps it in the cache folder, so
+# a fresh checkout runs and no two installations share a key.
+SECRET_KEY = env_str("SECRET_KEY", "") or local_secret_key(CACHE_DIR / "secret_key")
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
@@ -98,7 +96,7 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    "root": {"handlers": ["console"], "level": env_choice("LOG_LEVEL", "INFO", ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])},
 }
 
 # Celery: the broker is Redis; results travel through the per-request Redis Stream, not a backend.
@@ -121,6 +119,8 @@ if not isinstance(TOKSTREAM_MODELS, dict) or not all(
     raise ImproperlyConfigured('TOKSTREAM_MODELS must map names to {"source": "..."} objects')
 TOKSTREAM_MODEL_CACHE = Path(env_str("TOKSTREAM_MODEL_CACHE", str(CACHE_DIR / "models")))
 TOKSTREAM_DEVICE = env_str("TOKSTREAM_DEVICE", "auto")
+if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", TOKSTREAM_DEVICE):
+    raise ImproperlyConfigured(f"TOKSTREAM_DEVICE={TOKSTREAM_DEVICE!r} must be auto, cpu, mps, cuda or cuda:N")
 TOKSTREAM_DTYPE = env_choice("TOKSTREAM_DTYPE", "auto", ["auto", "float32", "bfloat16", "float16"])
 TOKSTREAM_MAX_RUNNING = env_int("TOKSTREAM_MAX_RUNNING", 8, minimum=1)
 TOKSTREAM_DEFAULT_MAX_TOKENS = env_int("TOKSTREAM_DEFAULT_MAX_TOKENS", 1024, minimum=1)
@@ -130,6 +130,7 @@ TOKSTREAM_LOG_TTL = env_int("TOKSTREAM_LOG_TTL", 600, minimum=1)
 TOKSTREAM_LOG_MAXLEN = env_int("TOKSTREAM_LOG_MAXLEN", 20000, minimum=100)
 TOKSTREAM_KEEPALIVE_SECONDS = env_int("TOKSTREAM_KEEPALIVE_SECONDS", 15, minimum=1)
 TOKSTREAM_WORKER_TTL = env_int("TOKSTREAM_WORKER_TTL", 15, minimum=2)
+TOKSTREAM_ABANDON_SECONDS = env_int("TOKSTREAM_ABANDON_SECONDS", 10, minimum=0)
 
 # The API reads bodies itself (inference.sse); the page's POST goes through Django: same limit.
 DATA_UPLOAD_MAX_MEMORY_SIZE = TOKSTREAM_MAX_BODY_BYTES

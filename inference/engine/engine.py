@@ -5,6 +5,7 @@ one token (a prefill for a request that just joined), and emits one Output per r
 produced text or finished. Forward passes go through a runner, so tests can script the model.
 """
 
+import logging
 import threading
 import time
 from collections import deque
@@ -14,6 +15,7 @@ from enum import Enum
 from .detokenizer import IncrementalDetokenizer
 from .sampling import SamplingParams, make_generator, sample
 
+log = logging.getLogger(__name__)
 
 class RequestStatus(Enum):
     WAITING = "waiting"
@@ -44,7 +46,6 @@ class Output:
     request_id: str
     text: str
     completion_tokens: int
-    prompt_tokens: int
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
@@ -75,18 +76,24 @@ class Engine:
     def has_work(self):
         return bool(self.waiting or self.running)
 
+    def live_ids(self):
+        """Ids of the requests waiting or running, safe to call from another thread."""
+        with self._lock:
+            return [r.request_id for r in (*self.waiting, *self.running)]
+
     def step(self):
         self._admit()
         outputs = self._apply_cancels()
-        outputs += [self._advance(request) for request in self.running]
+        outputs += [self._advance_or_fail(request) for request in self.running]
         self._drop_finished()
         return [o for o in outputs if o.text or o.finished]
 
     def fail_all(self, message):
-        """The model raised: end every live request with an error rather than hang them."""
-        outputs = [self._finish(r, "error", error=message) for r in self.running]
+        """Something outside one request failed: end every live one rather than hang them."""
+        with self._lock:
+            failed, self.waiting = [*self.running, *self.waiting], deque()
         self.running = []
-        return outputs
+        return [self._finish(r, "error", error=message) for r in failed]
 
     def _admit(self):
         with self._lock:
@@ -109,6 +116,13 @@ class Engine:
 
     def _drop_finished(self):
         self.running = [r for r in self.running if r.status is not RequestStatus.FINISHED]
+
+    def _advance_or_fail(self, request):
+        try:
+            return self._advance(request)
+        except Exception as exc:  # one request's failure ends that request, not its neighbours
+            log.exception("request %s failed", request.request_id)
+            return self._finish(request, "error", error=f"generation failed: {exc}")
 
     def _advance(self, request):
         if request.state is None:
@@ -149,4 +163,4 @@ class Engine:
         return output
 
     def _output(self, request, text):
-        return Output(request.request_id, text, len(request.output_ids), len(request.prompt_ids))
+        return Output(request.request_id, text, len(request.output_ids))

@@ -120,6 +120,10 @@ def stop_ids_of(tokenizer, config):
     return sorted(ids)
 
 
+def context_length_of(config):
+    return config.max_position_embeddings
+
+
 def tokenizer_identity(folder):
     digest = hashlib.sha256()
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -148,6 +152,6 @@ def load(name, folder, device="auto", dtype="auto"):
         tokenizer=tokenizer,
         device=device,
         stop_ids=frozenset(stop_ids_of(tokenizer, model.config)),
-        context_length=model.config.max_position_embeddings,
+        context_length=context_length_of(model.config),
         tokenizer_id=f"{name}:{tokenizer_identity(folder)}",
     )

@@ -4,6 +4,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Below this a temperature is greedy: dividing by it would overflow the logits (as in vLLM).
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -18,7 +21,7 @@ def make_generator(seed, device):
     if seed is None:
         return None
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator.manual_seed(seed % 2**64)  # any integer a client sends is a valid seed
     return generator
 
 
@@ -35,7 +38,7 @@ def top_p_filter(logits, top_p):
 
 def sample(logits, params, generator=None):
     """logits: [V] for one sequence -> the next token id."""
-    if params.temperature == 0:
+    if params.temperature < MIN_TEMPERATURE:
         return int(torch.argmax(logits))
     logits = top_p_filter(logits.float() / params.temperature, params.top_p)
     probs = torch.softmax(logits, dim=-1)

@@ -1,5 +1,6 @@
 import signal
 import subprocess
+import sys
 import time
 
 from django.conf import settings
@@ -19,6 +20,8 @@ class Command(BaseCommand):
 
     def handle(self, *args, host, port, **options):
         self.ensure_superuser()
+        # A SIGTERM (say, from a process manager) stops the children too, as Ctrl-C does.
+        signal.signal(signal.SIGTERM, lambda *args: sys.exit(0))
         children = [p for p in [processes.start_redis(settings.REDIS_URL)] if p]
         children.append(subprocess.Popen(processes.worker_command(settings.TOKSTREAM_MAX_RUNNING)))
         children.append(subprocess.Popen(processes.daphne_command(host, port)))
