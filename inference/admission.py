@@ -70,16 +70,18 @@ def admit(chat, owner):
     admitted = Admitted(f"chatcmpl-{uuid.uuid4().hex}", chat.model, int(time.time()), len(ids))
     streamlog.save_meta(client, admitted.request_id, admitted.meta(owner))
     params = {"max_tokens": max_tokens, "temperature": chat.temperature, "top_p": chat.top_p, "seed": chat.seed, "stop": chat.stop}
-    generate.apply_async(
-        kwargs={
-            "request_id": admitted.request_id,
-            "model": chat.model,
-            "prompt_ids": ids,
-            "params": params,
-            "received_at": received_at,
-            "api_key_id": owner.api_key_id,
-            "user_id": owner.user_id,
-        },
-        queue="inference",
-    )
+    task = {
+        "request_id": admitted.request_id,
+        "model": chat.model,
+        "prompt_ids": ids,
+        "params": params,
+        "received_at": received_at,
+        "api_key_id": owner.api_key_id,
+        "user_id": owner.user_id,
+    }
+    try:
+        generate.apply_async(kwargs=task, queue="inference")
+    except Exception:
+        client.delete(streamlog.key(admitted.request_id, "meta"))  # leave nothing half-made
+        raise
     return admitted
