@@ -15,8 +15,11 @@ import time
 from django.conf import settings
 
 from . import registry, streamlog
-from .engine import Engine
-from .engine.runner import HFRunner
+from .engine import Engine, Request, SamplingParams
+from .engine.kv_cache import BlockPool
+from .engine.runner import BatchRunner
+
+BLOCK_SIZE = 16
 
 log = logging.getLogger(__name__)
 _loops = {}
@@ -84,12 +87,32 @@ class EngineLoop(threading.Thread):
                 outbox.put(output)
 
 
+def build_engine(lm):
+    pool = BlockPool.for_model(
+        lm.model.config, settings.TOKSTREAM_KV_CACHE_TOKENS, BLOCK_SIZE, lm.model.dtype, lm.device
+    )
+    engine = Engine(
+        BatchRunner(lm.model, pool, lm.device),
+        lm.tokenizer,
+        lm.stop_ids,
+        lm.context_length,
+        max_running=settings.TOKSTREAM_MAX_RUNNING,
+        step_tokens=settings.TOKSTREAM_STEP_TOKENS,
+    )
+    warm_up(engine)
+    return engine
+
+
+def warm_up(engine):
+    """The first forward pass is slow; let it not be a user's."""
+    engine.add(Request("warm-up", engine.tokenizer.encode("warm up"), SamplingParams(max_tokens=2, temperature=0)))
+    while engine.has_work():
+        engine.step()
+
+
 def start_loop(name):
     lm = registry.load(name)
-    runner = HFRunner(lm.model, lm.device)
-    runner.prefill(lm.tokenizer.encode("warm up"))  # the first forward pass is slow; not a user's
-    engine = Engine(runner, lm.tokenizer, lm.stop_ids, lm.context_length, settings.TOKSTREAM_MAX_RUNNING)
-    loop = EngineLoop(lm, engine, streamlog.sync_client())
+    loop = EngineLoop(lm, build_engine(lm), streamlog.sync_client())
     loop.start()
     log.info("model %s loaded on %s", name, lm.device)
     return loop

@@ -1,27 +1,34 @@
-"""A deterministic token source for engine tests: each prompt has a script of tokens."""
+"""A deterministic token source for engine tests: each request has a script of tokens."""
 
 import torch
+
+from inference.engine.kv_cache import BlockPool
 
 
 class ScriptedRunner:
     device = torch.device("cpu")
 
-    def __init__(self, scripts, vocab_size):
-        self.scripts = scripts  # tuple(prompt_ids) -> the ids to produce, in order
+    def __init__(self, scripts, vocab_size, cache_tokens=4096):
+        self.scripts = scripts  # request id -> the ids it produces, in order
         self.vocab_size = vocab_size
-        self.prefills = 0
-        self.decodes = 0
+        self.pool = BlockPool(1, cache_tokens // 16, 16, 1, 1, torch.float32, "cpu")
+        self.prompt_lengths = {}
+        self.computed = 0
 
     def logits_for(self, token):
+        """Certain of `token`; None gives logits no sampler can use."""
+        if token is None:
+            return torch.full((self.vocab_size,), float("nan"))
         logits = torch.full((self.vocab_size,), -10.0)
         logits[token] = 10.0
         return logits
 
-    def prefill(self, prompt_ids):
-        self.prefills += 1
-        script = iter(self.scripts[tuple(prompt_ids)])
-        return self.logits_for(next(script)), script
+    def forward(self, chunks):
+        return torch.stack([self.next_logits(chunk) for chunk in chunks])
 
-    def decode(self, token_id, script):
-        self.decodes += 1
-        return self.logits_for(next(script))
+    def next_logits(self, chunk):
+        end = chunk.start + len(chunk.token_ids)
+        self.computed += len(chunk.token_ids)
+        prompt = self.prompt_lengths.setdefault(chunk.request_id, end)  # short prompts: one chunk
+        script, produced = self.scripts[chunk.request_id], end - prompt
+        return self.logits_for(script[produced] if produced < len(script) else None)

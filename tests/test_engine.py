@@ -1,9 +1,11 @@
 """The engine driven step by step: a scripted token source, then the real model."""
 
+import pytest
 import torch
 
 from inference.engine import Engine, Request, RequestStatus, SamplingParams
-from inference.engine.runner import HFRunner
+from inference.engine.kv_cache import BlockPool
+from inference.engine.runner import BatchRunner
 from tests.scripted import ScriptedRunner
 
 GREEDY = dict(temperature=0)
@@ -13,12 +15,12 @@ def ids(tokenizer, text):
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def make_engine(tokenizer, scripts, max_running=8):
+def make_engine(tokenizer, scripts, max_running=8, **options):
     runner = ScriptedRunner(scripts, len(tokenizer))
-    return Engine(runner, tokenizer, stop_ids={2}, context_length=64, max_running=max_running), runner
+    return Engine(runner, tokenizer, stop_ids={2}, context_length=64, max_running=max_running, **options), runner
 
 
-def run(engine, max_steps=100):
+def run(engine, max_steps=1000):
     outputs = []
     for _ in range(max_steps):
         if not engine.has_work():
@@ -31,8 +33,11 @@ def text_of(outputs, request_id):
     return "".join(o.text for o in outputs if o.request_id == request_id)
 
 
+# -- scheduling, with a scripted model ---------------------------------------------------
+
+
 def test_it_streams_until_the_stop_token(tokenizer):
-    engine, _ = make_engine(tokenizer, {(5,): ids(tokenizer, "Hello there") + [2]})
+    engine, _ = make_engine(tokenizer, {"a": ids(tokenizer, "Hello there") + [2]})
     request = Request("a", [5], SamplingParams(max_tokens=10, **GREEDY))
     engine.add(request)
     outputs = run(engine)
@@ -44,7 +49,7 @@ def test_it_streams_until_the_stop_token(tokenizer):
 
 def test_it_stops_at_max_tokens(tokenizer):
     script = ids(tokenizer, " one two three four five six")
-    engine, _ = make_engine(tokenizer, {(5,): script})
+    engine, _ = make_engine(tokenizer, {"a": script})
     engine.add(Request("a", [5], SamplingParams(max_tokens=3, **GREEDY)))
     outputs = run(engine)
     assert outputs[-1].finish_reason == "length"
@@ -53,8 +58,8 @@ def test_it_stops_at_max_tokens(tokenizer):
 
 
 def test_requests_share_steps_and_join_while_others_run(tokenizer):
-    scripts = {(5,): ids(tokenizer, " alpha beta gamma delta") + [2], (6,): ids(tokenizer, " one two") + [2]}
-    engine, runner = make_engine(tokenizer, scripts)
+    scripts = {"a": ids(tokenizer, " alpha beta gamma delta") + [2], "b": ids(tokenizer, " one two") + [2]}
+    engine, _ = make_engine(tokenizer, scripts)
     engine.add(Request("a", [5], SamplingParams(max_tokens=20, **GREEDY)))
     first = engine.step()
     engine.add(Request("b", [6], SamplingParams(max_tokens=20, **GREEDY)))
@@ -64,11 +69,11 @@ def test_requests_share_steps_and_join_while_others_run(tokenizer):
     outputs = first + second + run(engine)
     assert text_of(outputs, "a") == " alpha beta gamma delta"
     assert text_of(outputs, "b") == " one two"
-    assert runner.prefills == 2
 
 
-def test_a_cancel_takes_effect_at_the_next_step_and_frees_the_slot(tokenizer):
-    engine, runner = make_engine(tokenizer, {(5,): ids(tokenizer, " x" * 30)}, max_running=1)
+def test_a_cancel_takes_effect_at_the_next_step_and_frees_the_slot_and_cache(tokenizer):
+    engine, _ = make_engine(tokenizer, {"a": ids(tokenizer, " x" * 30), "b": ids(tokenizer, " y" * 5)}, max_running=1)
+    free_before = engine.pool.available()
     engine.add(Request("a", [5], SamplingParams(max_tokens=30, **GREEDY)))
     engine.add(Request("b", [5], SamplingParams(max_tokens=2, **GREEDY)))
     engine.step()
@@ -78,24 +83,25 @@ def test_a_cancel_takes_effect_at_the_next_step_and_frees_the_slot(tokenizer):
     [cancelled] = [o for o in outputs if o.request_id == "a"]
     assert cancelled.finished and cancelled.finish_reason == "cancelled"
     assert cancelled.completion_tokens == 2  # nothing was generated after the cancel
-    engine.step()
     assert [r.request_id for r in engine.running] == ["b"]  # b took the freed slot
+    run(engine)
+    assert engine.pool.available() == free_before
 
 
 def test_a_request_cancelled_while_waiting_never_runs_the_model(tokenizer):
-    engine, runner = make_engine(tokenizer, {(5,): ids(tokenizer, " x" * 5)})
+    engine, runner = make_engine(tokenizer, {"a": ids(tokenizer, " x" * 5)})
     engine.add(Request("a", [5], SamplingParams(max_tokens=5, **GREEDY)))
     engine.cancel("a")
     outputs = engine.step()
     assert outputs[0].finish_reason == "cancelled"
     assert outputs[0].completion_tokens == 0
-    assert runner.prefills == 0
+    assert runner.computed == 0
 
 
 def test_a_failing_request_ends_alone(tokenizer):
-    engine, runner = make_engine(tokenizer, {(5,): ids(tokenizer, " fine and well") + [2], (6,): []})
+    engine, _ = make_engine(tokenizer, {"good": ids(tokenizer, " fine and well") + [2], "bad": [None]})
     engine.add(Request("good", [5], SamplingParams(max_tokens=10, **GREEDY)))
-    engine.add(Request("bad", [6], SamplingParams(max_tokens=10, **GREEDY)))  # its script is empty
+    engine.add(Request("bad", [6], SamplingParams(max_tokens=10, temperature=1.0)))  # NaN logits
     outputs = run(engine)
     [bad] = [o for o in outputs if o.request_id == "bad"]
     assert bad.finish_reason == "error" and "generation failed" in bad.error
@@ -104,43 +110,180 @@ def test_a_failing_request_ends_alone(tokenizer):
 
 
 def test_a_stop_string_ends_the_request(tokenizer):
-    engine, _ = make_engine(tokenizer, {(5,): ids(tokenizer, "Sure. Answer: yes.\n\nUser: more") + [2]})
+    engine, _ = make_engine(tokenizer, {"a": ids(tokenizer, "Sure. Answer: yes.\n\nUser: more") + [2]})
     engine.add(Request("a", [5], SamplingParams(max_tokens=40, stop=["\n\nUser:"], **GREEDY)))
     outputs = run(engine)
     assert text_of(outputs, "a") == "Sure. Answer: yes."
     assert outputs[-1].finish_reason == "stop"
 
 
-def test_the_same_seed_gives_the_same_tokens_whatever_shares_the_step(model):
-    runner = HFRunner(model.model, model.device)
-    prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story."}], add_generation_prompt=True)
+def test_a_request_that_cannot_fit_waits_and_one_that_never_can_is_refused(tokenizer):
+    engine, _ = make_engine(tokenizer, {"a": ids(tokenizer, " x" * 40), "b": ids(tokenizer, " y" * 3), "huge": []})
+    engine.pool.reserve(engine.pool.available() - 3)  # leave room for 3 blocks (48 tokens)
+    engine.add(Request("a", [5], SamplingParams(max_tokens=40, **GREEDY)))  # 3 blocks
+    engine.add(Request("b", [6], SamplingParams(max_tokens=3, **GREEDY)))  # 1 block: must wait
+    engine.step()
+    assert [r.request_id for r in engine.running] == ["a"] and engine.waiting[0].request_id == "b"
+    outputs = run(engine)
+    assert text_of(outputs, "b") == " y" * 3  # ran once a finished and gave its blocks back
+    engine.add(Request("huge", [7], SamplingParams(max_tokens=10**6, **GREEDY)))
+    [refused] = engine.step()
+    assert refused.finish_reason == "error" and "larger than the whole KV cache" in refused.error
+
+
+# -- the real model ------------------------------------------------------------------------
+
+
+def real_engine(model, cache_tokens=16384, **options):
+    pool = BlockPool.for_model(model.model.config, cache_tokens, 16, model.model.dtype, model.device)
+    runner = BatchRunner(model.model, pool, model.device)
+    return Engine(runner, model.tokenizer, model.stop_ids, model.context_length, **options)
+
+
+def chat(model, text):
+    return model.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
+# Short answers end early: both sides keep the special tokens out, so 32 tokens always compare.
+SPECIALS = (0, 1, 2)
+NO_SPECIALS = {token: -1e9 for token in SPECIALS}
+
+
+def greedy(max_tokens):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, logit_bias=NO_SPECIALS)
+
+
+def reference_greedy(model, prompt, tokens):
+    return model.model.generate(
+        torch.tensor([prompt], device=model.device),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
+        max_new_tokens=tokens, do_sample=False, pad_token_id=2, suppress_tokens=list(SPECIALS),
+    )[0, len(prompt):].tolist()  # fmt: skip
+
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about tea.",
+    "List three prime numbers.",
+    "Explain gravity to a child in two sentences, please, with an example from the kitchen.",
+    "Hi",
+    "Translate 'good morning' into Spanish, French and German.",
+    "What is 12 times 12?",
+    "Name a famous painting and its painter, and say in which museum it hangs today.",
+]
+
+
+def test_greedy_decoding_matches_transformers_generate_alone(model):
+    prompt = chat(model, QUESTIONS[0])
+    engine = real_engine(model)
+    request = Request("a", prompt, greedy(32))
+    engine.add(request)
+    run(engine)
+    assert request.output_ids == reference_greedy(model, prompt, 32)
+
+
+def test_greedy_decoding_matches_transformers_generate_in_a_batch_of_eight(model):
+    engine = real_engine(model, step_tokens=48)  # several prefill chunks while others decode
+    requests = [Request(f"q{i}", chat(model, q), greedy(32)) for i, q in enumerate(QUESTIONS)]
+    for n, request in enumerate(requests):
+        engine.add(request)
+        if n % 3 == 0:
+            engine.step()  # arrivals spread over steps: some join a batch already decoding
+    run(engine)
+    assert len({len(r.prompt_ids) for r in requests}) > 4
+    for request in requests:
+        assert request.output_ids == reference_greedy(model, request.prompt_ids, 32), request.request_id
+
+
+def test_the_same_seed_gives_the_same_tokens_alone_and_in_a_busy_batch(model):
+    prompt = chat(model, "Tell me a story.")
 
     def sampled(seed, neighbours=()):
-        engine = Engine(runner, model.tokenizer, model.stop_ids, model.context_length)
+        engine = real_engine(model)
         for n, other in enumerate(neighbours):
-            engine.add(Request(f"n{n}", prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=other)))
+            engine.add(Request(f"n{n}", chat(model, QUESTIONS[n]), SamplingParams(max_tokens=12, temperature=1.0, seed=other)))
         request = Request("x", prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=seed))
         engine.add(request)
         run(engine)
         return request.output_ids
 
     alone = sampled(1234)
-    assert alone == sampled(1234, neighbours=(7, None))
+    assert alone == sampled(1234, neighbours=(7, None, 9, 10))
     assert alone != sampled(4321)  # the seed, not the prompt, decided the tokens
 
 
-def test_greedy_decoding_matches_transformers_generate(model):
-    """The per-sequence KV cache must give exactly what a full recompute gives."""
-    prompt = model.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
-    )
-    engine = Engine(HFRunner(model.model, model.device), model.tokenizer, model.stop_ids, model.context_length)
-    request = Request("a", prompt, SamplingParams(max_tokens=24, temperature=0))
+def test_cancelling_one_request_mid_batch_leaves_the_others_unchanged(model):
+    def outputs_of(cancel):
+        engine = real_engine(model)
+        requests = [Request(f"q{i}", chat(model, q), SamplingParams(max_tokens=16, temperature=0)) for i, q in enumerate(QUESTIONS[:4])]
+        for request in requests:
+            engine.add(request)
+        for _ in range(4):
+            engine.step()
+        if cancel:
+            engine.cancel("q1")
+        run(engine)
+        return {r.request_id: r.output_ids for r in requests}, engine
+
+    plain, _ = outputs_of(cancel=False)
+    cancelled, engine = outputs_of(cancel=True)
+    assert len(cancelled["q1"]) < len(plain["q1"])
+    assert {k: v for k, v in cancelled.items() if k != "q1"} == {k: v for k, v in plain.items() if k != "q1"}
+    assert engine.pool.reserved == 0 and all(n == 0 for n in engine.pool.refs)  # every block came back
+
+
+def test_steering_counts_as_prompt_and_changes_the_continuation(model):
+    prompt = chat(model, "Write a short story about a cat.")
+
+    def story(steer):
+        engine = real_engine(model)
+        request = Request("s", prompt, SamplingParams(max_tokens=24, temperature=0))
+        engine.add(request)
+        outputs = []
+        while len(request.output_ids) < 5:
+            outputs += engine.step()
+        if steer:
+            engine.steer("s", " The cat suddenly learned to fly.")
+        outputs += run(engine)
+        return request, outputs
+
+    plain, _ = story(steer=False)
+    steered, outputs = story(steer=True)
+    steer_tokens = len(model.tokenizer.encode(" The cat suddenly learned to fly.", add_special_tokens=False))
+    assert steered.prefilled == len(prompt) + steer_tokens == plain.prefilled + steer_tokens
+    assert steered.output_ids[:5] == plain.output_ids[:5]
+    assert steered.output_ids[5:] != plain.output_ids[5:]
+    marks = [o for o in outputs if o.steered]
+    assert len(marks) == 1 and marks[0].steered == " The cat suddenly learned to fly."
+
+
+def test_a_shared_prefix_is_computed_once(model):
+    system = "You are a meticulous assistant. " * 20
+    engine = real_engine(model)
+
+    def ask(request_id, question):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        request = Request(request_id, model.tokenizer.apply_chat_template(messages, add_generation_prompt=True), SamplingParams(max_tokens=4, temperature=0))
+        engine.add(request)
+        run(engine)
+        return request
+
+    first = ask("one", "What is tea?")
+    computed_first = engine.stats["computed_prompt_tokens"]
+    second = ask("two", "What is coffee?")
+    computed_second = engine.stats["computed_prompt_tokens"] - computed_first
+    assert first.cached_tokens == 0 and computed_first == len(first.prompt_ids)
+    assert second.cached_tokens >= 16 * (len(model.tokenizer.encode(system)) // 16)
+    assert computed_second == len(second.prompt_ids) - second.cached_tokens < len(second.prompt_ids) / 4
+    assert second.prefilled == len(second.prompt_ids)  # billed as consumed, cached or not
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_a_long_prompt_is_prefilled_in_chunks_with_the_same_result(model, chunk):
+    prompt = chat(model, "Summarise: " + "The quick brown fox jumps over the lazy dog. " * 30)
+    engine = real_engine(model, idle_chunk=chunk)
+    request = Request("long", prompt, greedy(8))
     engine.add(request)
     run(engine)
-    expected = model.model.generate(
-        torch.tensor([prompt], device=model.device),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
-        max_new_tokens=24, do_sample=False, eos_token_id=sorted(model.stop_ids), pad_token_id=2,
-    )[0, len(prompt):].tolist()  # fmt: skip
-    assert request.output_ids == expected
+    assert engine.stats["steps"] >= len(prompt) // chunk
+    assert request.output_ids == reference_greedy(model, prompt, 8)

@@ -123,6 +123,8 @@ if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", TOKSTREAM_DEVICE):
     raise ImproperlyConfigured(f"TOKSTREAM_DEVICE={TOKSTREAM_DEVICE!r} must be auto, cpu, mps, cuda or cuda:N")
 TOKSTREAM_DTYPE = env_choice("TOKSTREAM_DTYPE", "auto", ["auto", "float32", "bfloat16", "float16"])
 TOKSTREAM_MAX_RUNNING = env_int("TOKSTREAM_MAX_RUNNING", 8, minimum=1)
+TOKSTREAM_KV_CACHE_TOKENS = env_int("TOKSTREAM_KV_CACHE_TOKENS", 32768, minimum=256)
+TOKSTREAM_STEP_TOKENS = env_int("TOKSTREAM_STEP_TOKENS", 64, minimum=1)
 TOKSTREAM_DEFAULT_MAX_TOKENS = env_int("TOKSTREAM_DEFAULT_MAX_TOKENS", 1024, minimum=1)
 TOKSTREAM_MAX_BODY_BYTES = env_int("TOKSTREAM_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)
 TOKSTREAM_REDIS_PREFIX = env_str("TOKSTREAM_REDIS_PREFIX", "tokstream")

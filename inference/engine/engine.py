@@ -1,21 +1,26 @@
-"""A request-level engine in the shape of vLLM v1: waiting queue, running set, step().
+"""The engine in the shape of vLLM v1: a waiting queue, a running set, and step().
 
-One step admits waiting requests, applies cancellations, advances every running request by
-one token (a prefill for a request that just joined), and emits one Output per request that
-produced text or finished. Forward passes go through a runner, so tests can script the model.
+One step applies cancellations and steering, admits waiting requests whose worst case fits
+the KV cache, schedules one chunk per running request (one token for a decoding request, a
+piece of its prompt for a prefilling one, under a per-step token budget), runs one batched
+forward pass, samples, and emits one Output per request that produced text or finished.
 """
 
 import logging
+import math
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from enum import Enum
 
 from .detokenizer import IncrementalDetokenizer
+from .kv_cache import block_hashes
+from .runner import Chunk
 from .sampling import SamplingParams, make_generator, sample
 
 log = logging.getLogger(__name__)
+
 
 class RequestStatus(Enum):
     WAITING = "waiting"
@@ -30,15 +35,25 @@ class Request:
     params: SamplingParams
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
-    prefilled: int = 0  # prompt tokens the model has consumed
+    # Every token of the sequence in order (prompt, steering, output), and which were generated.
+    all_ids: list[int] = field(default_factory=list)
+    generated: list[bool] = field(default_factory=list)
+    computed: int = 0  # tokens of all_ids whose KV is in the cache
+    prefilled: int = 0  # prompt and steering tokens the model consumed (from the cache or not)
+    cached_tokens: int = 0  # of those, served by the prefix cache
+    steered_tokens: int = 0
+    blocks: list[int] = field(default_factory=list)
+    reserved: int = 0  # blocks reserved and not yet allocated
     finish_reason: str | None = None
     error: str | None = None
     started_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
-    state: object = None  # the runner's per-sequence cache
     detokenizer: IncrementalDetokenizer | None = None
     generator: object = None
+
+    def pending(self):
+        return len(self.all_ids) - self.computed
 
 
 @dataclass
@@ -49,20 +64,28 @@ class Output:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    steered: str | None = None  # steering text that took effect before this output's text
 
 
 class Engine:
-    def __init__(self, runner, tokenizer, stop_ids, context_length, max_running=8, clock=time.time):
+    def __init__(self, runner, tokenizer, stop_ids, context_length, max_running=8, step_tokens=64, idle_chunk=512, clock=time.time):
         self.runner = runner
+        self.pool = runner.pool
         self.tokenizer = tokenizer
         self.stop_ids = frozenset(stop_ids)
         self.context_length = context_length
         self.max_running = max_running
+        self.step_tokens = step_tokens  # tokens per step while others decode: their gap stays short
+        self.idle_chunk = idle_chunk  # prefill chunk when nobody waits on this step
         self.clock = clock
         self.waiting = deque()
         self.running = []
+        self.stats = Counter()  # computed_prompt_tokens, cached_prompt_tokens, steps, ...
         self._cancelled = set()
+        self._steers = []
         self._lock = threading.Lock()
+
+    # -- called from other threads ------------------------------------------------------
 
     def add(self, request):
         with self._lock:
@@ -73,94 +96,185 @@ class Engine:
         with self._lock:
             self._cancelled.add(request_id)
 
-    def has_work(self):
-        return bool(self.waiting or self.running)
+    def steer(self, request_id, text):
+        """Inject text into a running request at the next step boundary."""
+        with self._lock:
+            self._steers.append((request_id, text))
 
     def live_ids(self):
-        """Ids of the requests waiting or running, safe to call from another thread."""
         with self._lock:
             return [r.request_id for r in (*self.waiting, *self.running)]
 
+    def has_work(self):
+        return bool(self.waiting or self.running)
+
+    # -- the step -----------------------------------------------------------------------
+
     def step(self):
-        self._admit()
         outputs = self._apply_cancels()
-        outputs += [self._advance_or_fail(request) for request in self.running]
         self._drop_finished()
-        return [o for o in outputs if o.text or o.finished]
+        outputs += self._apply_steers() + self._admit()
+        scheduled = self._schedule()
+        if scheduled:
+            self.stats["steps"] += 1
+            logits = self.runner.forward([chunk for _, chunk in scheduled])
+            outputs += [self._after_forward(r, chunk, row) for (r, chunk), row in zip(scheduled, logits)]
+        self._drop_finished()
+        return [o for o in outputs if o and (o.text or o.finished or o.steered)]
+
+    def _drop_finished(self):
+        self.running = [r for r in self.running if r.status is not RequestStatus.FINISHED]
 
     def fail_all(self, message):
-        """Something outside one request failed: end every live one rather than hang them."""
+        """The forward pass failed: end every live request rather than hang them."""
         with self._lock:
             failed, self.waiting = [*self.running, *self.waiting], deque()
         self.running = []
         return [self._finish(r, "error", error=message) for r in failed]
 
-    def _admit(self):
-        with self._lock:
-            while self.waiting and len(self.running) < self.max_running:
-                request = self.waiting.popleft()
-                request.status = RequestStatus.RUNNING
-                request.started_at = self.clock()
-                request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.params.stop)
-                request.generator = make_generator(request.params.seed, self.runner.device)
-                self.running.append(request)
-
     def _apply_cancels(self):
         with self._lock:
             cancelled, self._cancelled = self._cancelled, set()
-            # A cancel for a request still waiting is kept until it is admitted.
-            self._cancelled |= cancelled & {r.request_id for r in self.waiting}
-        outputs = [self._finish(r, "cancelled") for r in self.running if r.request_id in cancelled]
-        self._drop_finished()
+            waiting = [r for r in self.waiting if r.request_id in cancelled]
+            self.waiting = deque(r for r in self.waiting if r.request_id not in cancelled)
+        running = [r for r in self.running if r.request_id in cancelled]
+        return [self._finish(r, "cancelled") for r in (*waiting, *running)]
+
+    def _apply_steers(self):
+        with self._lock:
+            steers, self._steers = self._steers, []
+        running = {r.request_id: r for r in self.running if r.status is RequestStatus.RUNNING}
+        outputs = [self._inject(running[rid], text) for rid, text in steers if rid in running]
+        with self._lock:  # a request not admitted yet takes its steering once it runs
+            waiting_ids = {r.request_id for r in self.waiting}
+            self._steers = [(rid, text) for rid, text in steers if rid in waiting_ids] + self._steers
         return outputs
 
-    def _drop_finished(self):
-        self.running = [r for r in self.running if r.status is not RequestStatus.FINISHED]
+    def _inject(self, request, text):
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids or not self.pool.reserve(math.ceil(len(ids) / self.pool.block_size) + 1):
+            return Output(request.request_id, "", len(request.output_ids), error=f"steering not applied: {text!r}")
+        request.reserved += math.ceil(len(ids) / self.pool.block_size) + 1
+        request.all_ids += ids
+        request.generated += [False] * len(ids)
+        request.steered_tokens += len(ids)
+        return Output(request.request_id, "", len(request.output_ids), steered=text)
 
-    def _advance_or_fail(self, request):
+    def _admit(self):
+        """Start waiting requests, first come first served; returns those that can never fit."""
+        refused = []
+        while self.waiting and len(self.running) < self.max_running:
+            request = self.waiting[0]
+            too_large = self._worst_case(request) > self.pool.num_blocks
+            if not too_large and not self._reserve(request):
+                break  # the head waits until its worst case fits
+            with self._lock:
+                self.waiting.popleft()
+            if too_large:
+                refused.append(self._finish(request, "error", error="the request is larger than the whole KV cache"))
+            else:
+                self._start(request)
+        return refused
+
+    def _worst_case(self, request):
+        """Blocks for the prompt and every token it may produce: reserved up front, so a
+        running request never runs out of cache and nothing is ever truncated."""
+        return math.ceil((len(request.prompt_ids) + request.params.max_tokens) / self.pool.block_size)
+
+    def _reserve(self, request):
+        """Reuse cached prefix blocks, then reserve the rest of the worst case."""
+        prompt, worst = request.prompt_ids, self._worst_case(request)
+        # The last prompt token is always computed: its logits give the first output token.
+        cached = self.pool.lookup(block_hashes(prompt[:-1], self.pool.block_size))
+        if not self.pool.reserve(worst - len(cached)):
+            self.pool.release(cached)
+            return False
+        request.blocks, request.reserved = cached, worst - len(cached)
+        request.computed = request.cached_tokens = request.prefilled = len(cached) * self.pool.block_size
+        self.stats["cached_prompt_tokens"] += request.cached_tokens
+        return True
+
+    def _start(self, request):
+        request.status = RequestStatus.RUNNING
+        request.started_at = self.clock()
+        request.all_ids = list(request.prompt_ids)
+        request.generated = [False] * len(request.prompt_ids)
+        request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.params.stop)
+        request.generator = make_generator(request.params.seed, self.runner.device)
+        self.running.append(request)
+
+    def _schedule(self):
+        decoding = [r for r in self.running if r.pending() == 1]
+        prefilling = [r for r in self.running if r.pending() > 1]
+        scheduled = [(r, self._chunk(r, 1)) for r in decoding]
+        budget = max(self.step_tokens - len(decoding), 16) if decoding else self.idle_chunk
+        for request in prefilling:
+            if budget <= 0:
+                break
+            size = min(request.pending(), budget)
+            scheduled.append((request, self._chunk(request, size)))
+            budget -= size
+        return scheduled
+
+    def _chunk(self, request, size):
+        start = request.computed
+        while len(request.blocks) * self.pool.block_size < start + size:
+            request.blocks.append(self.pool.allocate())
+            request.reserved -= 1
+        return Chunk(request.all_ids[start : start + size], start, request.blocks, request.request_id)
+
+    def _after_forward(self, request, chunk, logits):
+        end = chunk.start + len(chunk.token_ids)
+        consumed = request.generated[chunk.start : end].count(False)
+        request.prefilled += consumed
+        self.stats["computed_prompt_tokens"] += consumed
+        request.computed = end
+        if request.pending():
+            return None  # more of the prompt to go
+        if not request.output_ids:
+            self._register_computed(request)  # the prompt is in: later requests may share it
         try:
-            return self._advance(request)
+            token = sample(logits, request.params, request.generator, request.prompt_ids, request.output_ids)
         except Exception as exc:  # one request's failure ends that request, not its neighbours
             log.exception("request %s failed", request.request_id)
             return self._finish(request, "error", error=f"generation failed: {exc}")
-
-    def _advance(self, request):
-        if request.state is None:
-            logits, request.state = self.runner.prefill(request.prompt_ids)
-            request.prefilled = len(request.prompt_ids)
-        else:
-            logits = self.runner.decode(request.output_ids[-1], request.state)
-        token = sample(logits, request.params, request.generator)
         request.output_ids.append(token)
+        request.all_ids.append(token)
+        request.generated.append(True)
         if request.first_token_at is None:
             request.first_token_at = self.clock()
         return self._update(request, token)
 
     def _update(self, request, token):
-        if token in self.stop_ids:
+        if token in self.stop_ids or token in request.params.stop_token_ids:
             return self._finish(request, "stop")
         text = request.detokenizer.add(token)
         if request.detokenizer.stopped:
             return self._finish(request, "stop", text)
         if self._out_of_room(request):
             return self._finish(request, "length", text)
-        return self._output(request, text)
+        return Output(request.request_id, text, len(request.output_ids))
 
     def _out_of_room(self, request):
-        produced = len(request.output_ids)
-        return produced >= request.params.max_tokens or len(request.prompt_ids) + produced >= self.context_length
+        return len(request.output_ids) >= request.params.max_tokens or len(request.all_ids) >= self.context_length
 
     def _finish(self, request, reason, text="", error=None):
         request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        request.error = error
+        request.finish_reason, request.error = reason, error
         request.finished_at = self.clock()
-        request.state = None  # frees the KV cache
+        self._free(request)
         if request.detokenizer is not None:
             text += request.detokenizer.flush()
-        output = self._output(request, text)
-        output.finished, output.finish_reason, output.error = True, reason, error
-        return output
+        return Output(request.request_id, text, len(request.output_ids), True, reason, error)
 
-    def _output(self, request, text):
-        return Output(request.request_id, text, len(request.output_ids))
+    def _register_computed(self, request):
+        computed = request.all_ids[: request.computed]
+        for block, digest in zip(request.blocks, block_hashes(computed, self.pool.block_size)):
+            self.pool.register(block, digest)
+
+    def _free(self, request):
+        """Give the blocks back, keeping the full computed ones for later prompts."""
+        self._register_computed(request)
+        self.pool.release(request.blocks)
+        self.pool.unreserve(request.reserved)
+        request.blocks, request.reserved = [], 0

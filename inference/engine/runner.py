@@ -1,26 +1,109 @@
-"""Forward passes of a transformers causal LM, one KV cache per sequence."""
+"""Batched forward passes of a Llama-family transformers model over a paged KV cache.
+
+One call computes every scheduled chunk of the step: the linear layers see all tokens at once
+(that is where batching pays), attention runs once for all one-token chunks (decodes, padded
+to the longest context) and once per longer chunk (prefill pieces, causal over their prefix).
+"""
+
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
-class HFRunner:
-    def __init__(self, model, device):
-        self.model = model
+@dataclass
+class Chunk:
+    token_ids: list[int]  # tokens whose KV this step computes
+    start: int  # position of the first of them in the sequence
+    blocks: list[int]  # the sequence's block table, long enough for start + len(token_ids)
+    request_id: str = ""
+
+
+class AttentionPlan:
+    """Where each chunk's tokens sit in the flattened batch, and which cache slots they see."""
+
+    def __init__(self, chunks, block_size, device):
         self.device = device
+        self.block_size = block_size
+        lengths = [len(c.token_ids) for c in chunks]
+        starts = torch.tensor([0, *lengths], device=device).cumsum(0)
+        self.last_rows = starts[1:] - 1
+        self.slots = torch.cat([self.context_slots(c)[c.start :] for c in chunks])  # [N]
+        one = [i for i, n in enumerate(lengths) if n == 1]
+        self.decode = self.decode_group([chunks[i] for i in one], starts[one]) if one else None
+        self.prefills = [self.prefill_group(c, int(starts[i])) for i, c in enumerate(chunks) if lengths[i] > 1]
+
+    def context_slots(self, chunk):
+        """Cache slots of positions 0 .. start + len - 1 of the chunk's sequence."""
+        blocks = torch.tensor(chunk.blocks, device=self.device)
+        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
+        return slots[: chunk.start + len(chunk.token_ids)]
+
+    def decode_group(self, chunks, rows):
+        contexts = [self.context_slots(c) for c in chunks]
+        slots = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)  # [B, C]
+        lengths = torch.tensor([len(c) for c in contexts], device=self.device)
+        mask = torch.arange(slots.shape[1], device=self.device)[None, :] < lengths[:, None]
+        return rows, slots, mask[:, None, None, :]  # mask: [B, 1, 1, C]
+
+    def prefill_group(self, chunk, first_row):
+        n = len(chunk.token_ids)
+        slots = self.context_slots(chunk)  # [C]
+        query_pos = chunk.start + torch.arange(n, device=self.device)
+        mask = torch.arange(len(slots), device=self.device)[None, :] <= query_pos[:, None]  # [L, C]
+        return slice(first_row, first_row + n), slots, mask
+
+
+class BatchRunner:
+    def __init__(self, model, pool, device):
+        self.model = model
+        self.pool = pool
+        self.device = device
+        config = model.config
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids):
-        """prompt_ids: [T] -> (logits of the next token [V], the sequence's cache)."""
-        from transformers import DynamicCache
+    def forward(self, chunks):
+        """-> logits [len(chunks), V]: for each chunk, those after its last token."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-        cache = DynamicCache()
-        input_ids = torch.tensor([prompt_ids], device=self.device)  # [1, T]
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1], out.past_key_values
+        body = self.model.model
+        plan = AttentionPlan(chunks, self.pool.block_size, self.device)
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)  # [N]
+        positions = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks]).to(self.device)
+        x = body.embed_tokens(ids)  # [N, hidden]
+        cos, sin = body.rotary_emb(x[None], positions[None])  # [1, N, D]
+        for index, layer in enumerate(body.layers):
+            h = layer.input_layernorm(x)
+            q, k, v = self.project(layer.self_attn, h)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)  # q: [1, Hq, N, D]; k: [1, Hkv, N, D]
+            self.pool.k[index][plan.slots] = k[0].transpose(0, 1)
+            self.pool.v[index][plan.slots] = v
+            x = x + layer.self_attn.o_proj(self.attend(index, q[0].transpose(0, 1), plan))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.lm_head(body.norm(x[plan.last_rows]))
 
-    @torch.inference_mode()
-    def decode(self, token_id, cache):
-        """One token onto an existing cache -> logits [V]; the cache grows in place."""
-        input_ids = torch.tensor([[token_id]], device=self.device)  # [1, 1]
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
-        return out.logits[0, -1]
+    def project(self, attn, h):
+        n = h.shape[0]
+        q = attn.q_proj(h).view(1, n, self.heads, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(h).view(n, self.kv_heads, self.head_dim)
+        return q, k, v
+
+    def attend(self, layer, q, plan):
+        """q: [N, Hq, D] -> [N, Hq * D], each token attending to its own sequence's cache."""
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]  # [slots, Hkv, D]
+        out = torch.empty_like(q)
+        if plan.decode is not None:
+            rows, slots, mask = plan.decode
+            keys = k_cache[slots].transpose(1, 2)  # [B, Hkv, C, D]
+            values = v_cache[slots].transpose(1, 2)
+            out[rows] = F.scaled_dot_product_attention(q[rows][:, :, None], keys, values, attn_mask=mask, enable_gqa=True)[:, :, 0]
+        for rows, slots, mask in plan.prefills:
+            keys = k_cache[slots].transpose(0, 1)[None]  # [1, Hkv, C, D]
+            values = v_cache[slots].transpose(0, 1)[None]
+            attended = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True)
+            out[rows] = attended[0].transpose(0, 1)
+        return out.flatten(1)

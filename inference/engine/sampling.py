@@ -1,4 +1,4 @@
-"""Sampling as short pure tensor functions (gpt-fast style)."""
+"""Sampling as short pure tensor functions (gpt-fast style), one sequence at a time."""
 
 from dataclasses import dataclass, field
 
@@ -13,8 +13,15 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 def make_generator(seed, device):
@@ -25,21 +32,59 @@ def make_generator(seed, device):
     return generator
 
 
+def apply_penalties(logits, params, prompt_ids, output_ids):
+    """OpenAI's presence/frequency penalties on generated tokens; the repetition penalty (as in
+    transformers and vLLM) on every token seen, prompt included."""
+    if (params.presence_penalty or params.frequency_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=logits.shape[-1])
+        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({*prompt_ids, *output_ids}), device=logits.device)
+        scores = logits[seen]
+        logits = logits.clone()
+        logits[seen] = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
+    return logits
+
+
+def apply_logit_bias(logits, bias):
+    if not bias:
+        return logits
+    ids = torch.tensor(list(bias), device=logits.device)
+    return logits.index_add(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device))
+
+
+def top_k_filter(logits, top_k):
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, top_k).values[-1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
 def top_p_filter(logits, top_p):
     # logits: [V]. Keep the smallest set of tokens whose probability mass reaches top_p.
     if top_p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, descending=True)
-    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-    drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
+    probs = torch.softmax(sorted_logits, dim=-1)
+    drop = probs.cumsum(dim=-1) - probs >= top_p
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(0, order, sorted_logits)
 
 
-def sample(logits, params, generator=None):
+def min_p_filter(logits, min_p):
+    # Drop tokens less likely than min_p times the most likely one.
+    if min_p <= 0:
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
+def sample(logits, params, generator=None, prompt_ids=(), output_ids=()):
     """logits: [V] for one sequence -> the next token id."""
+    logits = apply_penalties(logits.float(), params, prompt_ids, output_ids)
+    logits = apply_logit_bias(logits, params.logit_bias)
     if params.temperature < MIN_TEMPERATURE:
         return int(torch.argmax(logits))
-    logits = top_p_filter(logits.float() / params.temperature, params.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    logits = top_k_filter(logits / params.temperature, params.top_k)
+    logits = min_p_filter(top_p_filter(logits, params.top_p), params.min_p)
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))

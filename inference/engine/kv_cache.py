@@ -1,0 +1,97 @@
+"""A paged KV cache: a fixed pool of blocks, per-sequence block tables, and a prefix cache.
+
+The pool is allocated once (`k`, `v`: [layers, blocks * block_size, kv_heads, head_dim]); a
+sequence owns a list of block ids. Admission reserves a request's worst case, so a running
+sequence never runs out of blocks and a request that cannot fit waits. Full blocks of finished
+sequences stay cached, keyed by a hash of every token up to their end, until the space is
+needed (least recently used first).
+"""
+
+import hashlib
+from collections import OrderedDict
+
+import torch
+
+
+def block_hashes(token_ids, block_size):
+    """One hash per full block, each covering every token up to that block's end."""
+    hashes, digest = [], hashlib.sha256()
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        digest.update(repr(token_ids[start : start + block_size]).encode())
+        hashes.append(digest.copy().hexdigest())
+    return hashes
+
+
+class BlockPool:
+    @classmethod
+    def for_model(cls, config, tokens, block_size, dtype, device):
+        """A pool holding `tokens` cached tokens of every layer of this model."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        blocks = max(1, tokens // block_size)
+        return cls(config.num_hidden_layers, blocks, block_size, config.num_key_value_heads, head_dim, dtype, device)
+
+    def __init__(self, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, device):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_layers, num_blocks * block_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, H_kv, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.refs = [0] * num_blocks
+        self.cached = OrderedDict()  # hash -> block, least recently used first
+        self.hash_of = {}  # block -> hash, for cached blocks
+        self.reserved = 0
+
+    def available(self):
+        """Blocks that can be handed out: free ones and cached ones nobody uses."""
+        idle_cached = sum(1 for block in self.cached.values() if self.refs[block] == 0)
+        return len(self.free) + idle_cached - self.reserved
+
+    def reserve(self, count):
+        if count > self.available():
+            return False
+        self.reserved += count
+        return True
+
+    def unreserve(self, count):
+        self.reserved -= count
+
+    def allocate(self):
+        """One block from the caller's reservation."""
+        self.reserved -= 1
+        block = self.free.pop() if self.free else self._evict()
+        self.refs[block] = 1
+        return block
+
+    def _evict(self):
+        for digest, block in self.cached.items():
+            if self.refs[block] == 0:
+                del self.cached[digest], self.hash_of[block]
+                return block
+        raise RuntimeError("no block to evict: a reservation was not honoured")
+
+    def lookup(self, hashes):
+        """The longest run of cached blocks for these hashes, now referenced by the caller."""
+        blocks = []
+        for digest in hashes:
+            block = self.cached.get(digest)
+            # An idle cached block may be counted in someone's reservation: take it only if
+            # that leaves the reservations whole.
+            if block is None or (self.refs[block] == 0 and self.available() < 1):
+                break
+            self.cached.move_to_end(digest)
+            self.refs[block] += 1
+            blocks.append(block)
+        return blocks
+
+    def register(self, block, digest):
+        """Keep a full, computed block for later prompts with the same beginning."""
+        if digest not in self.cached and block not in self.hash_of:
+            self.cached[digest] = block
+            self.hash_of[block] = digest
+
+    def release(self, blocks):
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0 and block not in self.hash_of:
+                self.free.append(block)
