@@ -69,7 +69,7 @@ def admit(chat, owner):
     check_served(client, chat.model)
     admitted = Admitted(f"chatcmpl-{uuid.uuid4().hex}", chat.model, int(time.time()), len(ids))
     streamlog.save_meta(client, admitted.request_id, admitted.meta(owner))
-    params = {"max_tokens": max_tokens, "temperature": chat.temperature, "top_p": chat.top_p, "seed": chat.seed, "stop": chat.stop}
+    params = {"max_tokens": max_tokens, **chat.sampling}
     task = {
         "request_id": admitted.request_id,
         "model": chat.model,

@@ -18,10 +18,7 @@ class ChatRequest:
     include_usage: bool = False
     continuous_usage: bool = False
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
+    sampling: dict = field(default_factory=dict)  # the engine's SamplingParams, but max_tokens
 
 
 def parse(body, content_type):
@@ -36,18 +33,53 @@ def parse(body, content_type):
     check_n(data)
     if data.get("stream_options") is not None and not data.get("stream"):
         raise invalid("`stream_options` is only allowed when `stream` is true.", param="stream_options")
-    return ChatRequest(
+    return ChatRequest(  # keyword arguments run in order: the model is known before its vocabulary is needed
         model=model_of(data),
         messages=messages_of(data),
         stream=boolean(data, "stream", False),
         include_usage=stream_option(data, "include_usage"),
         continuous_usage=stream_option(data, "continuous_usage_stats"),
         max_tokens=max_tokens_of(data),
-        temperature=number(data, "temperature", 1.0, 0.0, 2.0),
-        top_p=number(data, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        seed=integer(data, "seed", None),
-        stop=stop_of(data),
+        sampling=sampling_of(data),
     )
+
+
+def sampling_of(data):
+    """OpenAI's sampling parameters, and vLLM's top_k, min_p and repetition_penalty."""
+    return {
+        "temperature": number(data, "temperature", 1.0, 0.0, 2.0),
+        "top_p": number(data, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        "top_k": top_k_of(data),
+        "min_p": number(data, "min_p", 0.0, 0.0, 1.0),
+        "presence_penalty": number(data, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": number(data, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": number(data, "repetition_penalty", 1.0, 0.0, 2.0, low_open=True),
+        "logit_bias": logit_bias_of(data),
+        "seed": integer(data, "seed", None),
+        "stop": stop_of(data),
+    }
+
+
+def top_k_of(data):
+    value = integer(data, "top_k", 0)
+    if value is not None and value < -1:
+        raise invalid(f"`top_k` must be -1 or 0 (off), or at least 1; got {value}.", param="top_k")
+    return max(value or 0, 0)
+
+
+def logit_bias_of(data):
+    bias = data.get("logit_bias") or {}
+    vocabulary = len(registry.tokenizer(data["model"])) if bias else 0
+    if not isinstance(bias, dict):
+        raise invalid("`logit_bias` must map token ids to numbers.", param="logit_bias")
+    checked = {}
+    for token, value in bias.items():
+        if not str(token).isdigit() or int(token) >= vocabulary:
+            raise invalid(f"`logit_bias` has {token!r}, which is not a token id of this model.", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise invalid(f"`logit_bias` values must be numbers in [-100, 100]; got {value!r}.", param="logit_bias")
+        checked[int(token)] = float(value)
+    return checked
 
 
 def model_of(data):

@@ -71,7 +71,23 @@ def test_it_refuses_max_tokens_out_of_range(post, max_tokens):
 
 @pytest.mark.parametrize(
     "field,value",
-    [("temperature", 3), ("top_p", 0), ("stop", ["a", "b", "c", "d", "e"]), ("n", 2), ("stream_options", {"include_usage": True})],
+    [
+        ("temperature", 3),
+        ("temperature", "hot"),
+        ("top_p", 0),
+        ("top_k", -5),
+        ("min_p", 1.5),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("logit_bias", {"99999999": 5}),
+        ("logit_bias", {"42": 500}),
+        ("logit_bias", [1, 2]),
+        ("seed", 1.5),
+        ("stop", ["a", "b", "c", "d", "e"]),
+        ("n", 2),
+        ("stream_options", {"include_usage": True}),
+    ],
 )
 def test_it_refuses_sampling_parameters_out_of_range(post, field, value):
     post(json_body(**chat_body("hi", **{field: value})), 400, param=field)

@@ -112,6 +112,13 @@ def test_a_stop_string_ends_the_stream_without_showing_it(live_service, api_key)
     assert cut[-2][1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_sampling_parameters_reach_the_model(live_service, api_key, tokenizer):
+    [banana] = tokenizer.encode(" banana", add_special_tokens=False)
+    body = chat_body(PROMPT, max_tokens=6, top_k=40, min_p=0.05, presence_penalty=0.5, repetition_penalty=1.1, logit_bias={str(banana): 100})
+    whole = httpx.post(f"{live_service.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=120).json()
+    assert whole["choices"][0]["message"]["content"] == " banana" * 6
+
+
 def test_models_are_listed(live_service, api_key):
     response = httpx.get(f"{live_service.url}/v1/models", headers=auth(api_key))
     assert response.status_code == 200

@@ -189,7 +189,9 @@ class Engine:
         if not self.pool.reserve(worst - len(cached)):
             self.pool.release(cached)
             return False
-        request.blocks, request.reserved = cached, worst - len(cached)
+        # Take the whole worst case now: in one go, its blocks are neighbours in memory.
+        request.blocks = cached + [self.pool.allocate() for _ in range(worst - len(cached))]
+        request.reserved = 0
         request.computed = request.cached_tokens = request.prefilled = len(cached) * self.pool.block_size
         self.stats["cached_prompt_tokens"] += request.cached_tokens
         return True

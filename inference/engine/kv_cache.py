@@ -8,6 +8,7 @@ needed (least recently used first).
 """
 
 import hashlib
+import heapq
 from collections import OrderedDict
 
 import torch
@@ -36,7 +37,8 @@ class BlockPool:
         shape = (num_layers, num_blocks * block_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, H_kv, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.free = list(range(num_blocks - 1, -1, -1))
+        self.free = list(range(num_blocks))  # a heap: the lowest block first, so a sequence's
+        # blocks tend to be neighbours and reading them is close to one sequential copy
         self.refs = [0] * num_blocks
         self.cached = OrderedDict()  # hash -> block, least recently used first
         self.hash_of = {}  # block -> hash, for cached blocks
@@ -59,7 +61,7 @@ class BlockPool:
     def allocate(self):
         """One block from the caller's reservation."""
         self.reserved -= 1
-        block = self.free.pop() if self.free else self._evict()
+        block = heapq.heappop(self.free) if self.free else self._evict()
         self.refs[block] = 1
         return block
 
@@ -94,4 +96,4 @@ class BlockPool:
         for block in blocks:
             self.refs[block] -= 1
             if self.refs[block] == 0 and block not in self.hash_of:
-                self.free.append(block)
+                heapq.heappush(self.free, block)

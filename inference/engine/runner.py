@@ -20,7 +20,9 @@ class Chunk:
 
 
 class AttentionPlan:
-    """Where each chunk's tokens sit in the flattened batch, and which cache slots they see."""
+    """Where each chunk's tokens sit in the flattened batch, which cache slots they fill, and
+    which blocks they read. Reads go by whole blocks: gathering 16-token blocks is several
+    times faster on the CPU than gathering token rows."""
 
     def __init__(self, chunks, block_size, device):
         self.device = device
@@ -28,30 +30,33 @@ class AttentionPlan:
         lengths = [len(c.token_ids) for c in chunks]
         starts = torch.tensor([0, *lengths], device=device).cumsum(0)
         self.last_rows = starts[1:] - 1
-        self.slots = torch.cat([self.context_slots(c)[c.start :] for c in chunks])  # [N]
+        self.slots = torch.cat([self.new_slots(c) for c in chunks])  # [N]
         one = [i for i, n in enumerate(lengths) if n == 1]
         self.decode = self.decode_group([chunks[i] for i in one], starts[one]) if one else None
         self.prefills = [self.prefill_group(c, int(starts[i])) for i, c in enumerate(chunks) if lengths[i] > 1]
 
-    def context_slots(self, chunk):
-        """Cache slots of positions 0 .. start + len - 1 of the chunk's sequence."""
-        blocks = torch.tensor(chunk.blocks, device=self.device)
-        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
-        return slots[: chunk.start + len(chunk.token_ids)]
+    def new_slots(self, chunk):
+        """Cache slots of the chunk's own tokens."""
+        positions = torch.arange(chunk.start, chunk.start + len(chunk.token_ids))
+        blocks = torch.tensor(chunk.blocks)[positions // self.block_size]
+        return (blocks * self.block_size + positions % self.block_size).to(self.device)
+
+    def used_blocks(self, chunk):
+        end = chunk.start + len(chunk.token_ids)
+        return chunk.blocks[: -(-end // self.block_size)], end
 
     def decode_group(self, chunks, rows):
-        contexts = [self.context_slots(c) for c in chunks]
-        slots = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)  # [B, C]
-        lengths = torch.tensor([len(c) for c in contexts], device=self.device)
-        mask = torch.arange(slots.shape[1], device=self.device)[None, :] < lengths[:, None]
-        return rows, slots, mask[:, None, None, :]  # mask: [B, 1, 1, C]
+        tables, lengths = zip(*(self.used_blocks(c) for c in chunks))
+        width = max(map(len, tables))
+        blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)  # [B, W]
+        visible = torch.arange(width * self.block_size, device=self.device)[None, :] < torch.tensor(lengths, device=self.device)[:, None]
+        return rows, blocks, visible[:, None, None, :]  # mask: [B, 1, 1, W * block_size]
 
     def prefill_group(self, chunk, first_row):
-        n = len(chunk.token_ids)
-        slots = self.context_slots(chunk)  # [C]
-        query_pos = chunk.start + torch.arange(n, device=self.device)
-        mask = torch.arange(len(slots), device=self.device)[None, :] <= query_pos[:, None]  # [L, C]
-        return slice(first_row, first_row + n), slots, mask
+        table, end = self.used_blocks(chunk)
+        query_pos = chunk.start + torch.arange(len(chunk.token_ids), device=self.device)
+        causal = torch.arange(len(table) * self.block_size, device=self.device)[None, :] <= query_pos[:, None]  # [L, C]
+        return slice(first_row, end - chunk.start + first_row), torch.tensor(table, device=self.device), causal
 
 
 class BatchRunner:
@@ -63,6 +68,15 @@ class BatchRunner:
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.workspace = {}
+
+    def gather(self, cache, blocks, name):
+        """cache[blocks] into a reused buffer: a fresh multi-megabyte tensor per layer costs
+        more in page faults than the copy itself."""
+        buffer = self.workspace.get(name)
+        if buffer is None or buffer.shape[0] < len(blocks):
+            buffer = self.workspace[name] = cache.new_empty((max(len(blocks), 64), *cache.shape[1:]))
+        return torch.index_select(cache, 0, blocks, out=buffer[: len(blocks)])
 
     @torch.inference_mode()
     def forward(self, chunks):
@@ -79,8 +93,8 @@ class BatchRunner:
             h = layer.input_layernorm(x)
             q, k, v = self.project(layer.self_attn, h)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)  # q: [1, Hq, N, D]; k: [1, Hkv, N, D]
-            self.pool.k[index][plan.slots] = k[0].transpose(0, 1)
-            self.pool.v[index][plan.slots] = v
+            self.pool.k[index].index_copy_(0, plan.slots, k[0].transpose(0, 1))
+            self.pool.v[index].index_copy_(0, plan.slots, v)
             x = x + layer.self_attn.o_proj(self.attend(index, q[0].transpose(0, 1), plan))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.lm_head(body.norm(x[plan.last_rows]))
@@ -94,16 +108,18 @@ class BatchRunner:
 
     def attend(self, layer, q, plan):
         """q: [N, Hq, D] -> [N, Hq * D], each token attending to its own sequence's cache."""
-        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]  # [slots, Hkv, D]
+        by_block = (-1, self.pool.block_size, self.kv_heads, self.head_dim)
+        k_cache, v_cache = self.pool.k[layer].view(by_block), self.pool.v[layer].view(by_block)  # [blocks, BS, Hkv, D]
         out = torch.empty_like(q)
         if plan.decode is not None:
-            rows, slots, mask = plan.decode
-            keys = k_cache[slots].transpose(1, 2)  # [B, Hkv, C, D]
-            values = v_cache[slots].transpose(1, 2)
+            rows, blocks, mask = plan.decode
+            shape = (blocks.shape[0], -1, self.kv_heads, self.head_dim)
+            keys = self.gather(k_cache, blocks.flatten(), "k").view(shape).transpose(1, 2)  # [B, Hkv, C, D]
+            values = self.gather(v_cache, blocks.flatten(), "v").view(shape).transpose(1, 2)
             out[rows] = F.scaled_dot_product_attention(q[rows][:, :, None], keys, values, attn_mask=mask, enable_gqa=True)[:, :, 0]
-        for rows, slots, mask in plan.prefills:
-            keys = k_cache[slots].transpose(0, 1)[None]  # [1, Hkv, C, D]
-            values = v_cache[slots].transpose(0, 1)[None]
+        for rows, blocks, mask in plan.prefills:
+            keys = self.gather(k_cache, blocks, "k").flatten(0, 1).transpose(0, 1)[None]  # [1, Hkv, C, D]
+            values = self.gather(v_cache, blocks, "v").flatten(0, 1).transpose(0, 1)[None]
             attended = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True)
             out[rows] = attended[0].transpose(0, 1)
         return out.flatten(1)

@@ -23,6 +23,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
 
+    def __post_init__(self):
+        # JSON (a Celery message, say) turns integer keys into strings.
+        self.logit_bias = {int(token): float(bias) for token, bias in dict(self.logit_bias).items()}
+
 
 def make_generator(seed, device):
     if seed is None:

@@ -1,0 +1,208 @@
+"""Engine throughput against plain transformers, in one process so the figures compare.
+
+    .venv/bin/python bench/engine.py [--tokens 64] [--quick]
+
+(a) transformers `generate`, requests one after another;
+(b) the bare batched forward loop (transformers, DynamicCache, equal prompts) at batch 1, 8, 32:
+    the ceiling for this model on this machine;
+(c) the engine with 1, 8 and 32 concurrent requests of mixed prompt lengths.
+Prints tokens/s for each and the ratios to (a) and (b), the time to first token of a request
+that joins a busy batch (against its own prefill plus two decode steps), and peak memory
+(resident set) with 32 running sequences of 2,000 tokens.
+"""
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from inference.engine import Engine, Request, SamplingParams  # noqa: E402
+from inference.engine import loader  # noqa: E402
+from inference.engine.kv_cache import BlockPool  # noqa: E402
+from inference.engine.runner import BatchRunner  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+TOPICS = ["tea", "the sea", "volcanoes", "chess", "bread", "owls", "trains", "glass", "rivers", "clocks", "maps"]
+# Keep generating for the whole budget, so every run decodes the same number of tokens.
+NO_STOP = {0: -1e9, 1: -1e9, 2: -1e9}
+
+
+def prompts(tokenizer, count):
+    """Chat prompts of mixed lengths (about 30 to 300 tokens)."""
+    out = []
+    for i in range(count):
+        detail = " Mention " + ", ".join(TOPICS[: 1 + i % len(TOPICS)]) + "." * (1 + (i * 7) % 5)
+        text = f"Write about {TOPICS[i % len(TOPICS)]}." + detail * (1 + (i * 5) % 9)
+        out.append(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+    return out
+
+
+def make_engine(lm, max_running, cache_tokens=120_000):
+    pool = BlockPool.for_model(lm.model.config, cache_tokens, 16, lm.model.dtype, lm.device)
+    return Engine(BatchRunner(lm.model, pool, lm.device), lm.tokenizer, lm.stop_ids, lm.context_length, max_running=max_running)
+
+
+def hf_sequential(lm, batch, tokens):
+    start = time.perf_counter()
+    for prompt in batch:
+        ids = torch.tensor([prompt], device=lm.device)
+        lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=2)
+    return len(batch) * tokens / (time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def bare_loop(lm, size, tokens, prompt_len):
+    """Decode `tokens` steps for `size` equal sequences with transformers' own cache."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    ids = torch.full((size, prompt_len), 100, device=lm.device)
+    logits = lm.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+    start = time.perf_counter()
+    for _ in range(tokens):
+        next_ids = logits.argmax(-1, keepdim=True)
+        logits = lm.model(input_ids=next_ids, past_key_values=cache, use_cache=True).logits[:, -1]
+    return size * tokens / (time.perf_counter() - start)
+
+
+def run(engine):
+    while engine.has_work():
+        engine.step()
+
+
+def start_all(lm, batch, max_tokens):
+    engine = make_engine(lm, max_running=len(batch))
+    requests = [Request(f"r{n}", p, SamplingParams(max_tokens=max_tokens, temperature=0, logit_bias=NO_STOP)) for n, p in enumerate(batch)]
+    for request in requests:
+        engine.add(request)
+    return engine, requests
+
+
+def engine_throughput(lm, batch, tokens):
+    """Tokens/s from arrival to the last token, prefill included."""
+    engine, requests = start_all(lm, batch, tokens)
+    start = time.perf_counter()
+    run(engine)
+    return sum(len(r.output_ids) for r in requests) / (time.perf_counter() - start)
+
+
+def engine_decoding(lm, batch, steps):
+    """Tokens/s of steps in which every request decodes: the figure to hold against (b)."""
+    engine, requests = start_all(lm, batch, 100_000 // len(batch))
+    while engine.waiting or any(r.first_token_at is None for r in requests):
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return len(batch) * steps / (time.perf_counter() - start)
+
+
+def join_busy_batch(lm, batch, tokens):
+    """TTFT of a request joining 31 decoding ones, against its own prefill + 2 decode steps."""
+    engine = make_engine(lm, max_running=len(batch) + 1)
+    for n, prompt in enumerate(batch):
+        engine.add(Request(f"r{n}", prompt, SamplingParams(max_tokens=tokens, temperature=0, logit_bias=NO_STOP)))
+    while engine.waiting or any(r.first_token_at is None for r in engine.running):
+        engine.step()  # every one of them decoding
+    steps = []
+    for _ in range(3):
+        start = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - start)
+    newcomer = Request("new", batch[0], SamplingParams(max_tokens=2, temperature=0))
+    start = time.perf_counter()
+    engine.add(newcomer)
+    while newcomer.first_token_at is None:
+        engine.step()
+    ttft = time.perf_counter() - start
+    alone = make_engine(lm, max_running=1)
+    alone.add(Request("alone", batch[0], SamplingParams(max_tokens=1, temperature=0)))
+    start = time.perf_counter()
+    run(alone)
+    prefill = time.perf_counter() - start
+    return ttft, prefill, statistics.median(steps)
+
+
+def gap_during_long_prefill(lm, batch, prompt_tokens=4000):
+    """Inter-token gap of 8 decoding streams before and while a 4,000-token prompt prefills."""
+    engine, requests = start_all(lm, batch[:8], 100_000)
+    while engine.waiting or any(r.first_token_at is None for r in requests):
+        engine.step()
+    usual = timed_steps(engine, 8)
+    long = Request("long", [100] * prompt_tokens, SamplingParams(max_tokens=1, temperature=0))
+    engine.add(long)
+    during = []
+    while long.first_token_at is None:
+        during += timed_steps(engine, 1)
+    return statistics.median(usual), statistics.median(during), max(during), len(during)
+
+
+def timed_steps(engine, count):
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def memory_with_long_sequences(lm, count=32, length=2000):
+    engine = make_engine(lm, max_running=count, cache_tokens=count * (length + 64))
+    prompt = [100] * (length - 8)
+    for n in range(count):
+        engine.add(Request(f"m{n}", prompt, SamplingParams(max_tokens=8, temperature=0, logit_bias=NO_STOP)))
+    run(engine)
+    kv_bytes = engine.pool.k.numel() * engine.pool.k.element_size() * 2
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, kv_bytes
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="skip (a) and the memory run")
+    args = parser.parse_args()
+    folder = ROOT / ".cache" / "models" / MODEL
+    lm = loader.load(MODEL, folder)
+    model_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    print(f"torch threads {torch.get_num_threads()}, device {lm.device}, {args.tokens} tokens per request")
+    batch32 = prompts(lm.tokenizer, 32)
+    bare_loop(lm, 1, 4, 16)  # warm up
+    engine_throughput(lm, batch32[:2], 4)
+    sequential = None if args.quick else hf_sequential(lm, batch32[:8], args.tokens)
+    if sequential:
+        print(f"(a) generate, one request after another (prefill included): {sequential:7.1f} tok/s")
+    for size in (1, 8, 32):
+        # The ceiling decodes from prompts as long as the engine's, on average.
+        mean_prompt = round(statistics.mean(map(len, batch32[:size])))
+        bare = bare_loop(lm, size, args.tokens, mean_prompt)
+        decoding = engine_decoding(lm, batch32[:size], args.tokens)
+        whole = engine_throughput(lm, batch32[:size], args.tokens)
+        vs_a = f"   whole/(a) x{whole / sequential:5.2f}" if sequential else ""
+        print(
+            f"batch {size:2d}: (b) bare decode {bare:6.1f} tok/s | (c) engine decoding {decoding:6.1f} tok/s, "
+            f"x{decoding / bare:4.2f} of (b) | engine with prefill {whole:6.1f} tok/s{vs_a}"
+        )
+    ttft, prefill, step = join_busy_batch(lm, batch32[:31], args.tokens)
+    print(f"joining 31 busy requests: TTFT {ttft * 1000:.0f} ms; own prefill alone {prefill * 1000:.0f} ms + 2 steps of {step * 1000:.0f} ms = {(prefill + 2 * step) * 1000:.0f} ms")
+    usual, during, worst, steps = gap_during_long_prefill(lm, batch32)
+    print(
+        f"8 streams while a 4,000-token prompt prefills ({steps} steps): gap {during * 1000:.0f} ms median, "
+        f"{worst * 1000:.0f} ms worst, against {usual * 1000:.0f} ms before: x{during / usual:.2f} (worst x{worst / usual:.2f})"
+    )
+    if not args.quick:
+        peak, kv = memory_with_long_sequences(lm)
+        budget = model_bytes + kv + 500 * 2**20
+        print(f"32 x 2,000 tokens: peak RSS {peak / 2**20:.0f} MB; model {model_bytes / 2**20:.0f} MB + KV {kv / 2**20:.0f} MB + 500 MB = {budget / 2**20:.0f} MB")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
