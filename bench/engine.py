@@ -15,6 +15,7 @@ import argparse
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from inference.engine.kv_cache import BlockPool  # noqa: E402
 from inference.engine.runner import BatchRunner  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
+STEP_TOKENS = int(os.environ.get("TOKSTREAM_STEP_TOKENS", "24"))
 TOPICS = ["tea", "the sea", "volcanoes", "chess", "bread", "owls", "trains", "glass", "rivers", "clocks", "maps"]
 # Keep generating for the whole budget, so every run decodes the same number of tokens.
 NO_STOP = {0: -1e9, 1: -1e9, 2: -1e9}
@@ -45,9 +47,9 @@ def prompts(tokenizer, count):
     return out
 
 
-def make_engine(lm, max_running, cache_tokens=120_000):
+def make_engine(lm, max_running, cache_tokens=48_000):
     pool = BlockPool.for_model(lm.model.config, cache_tokens, 16, lm.model.dtype, lm.device)
-    return Engine(BatchRunner(lm.model, pool, lm.device), lm.tokenizer, lm.stop_ids, lm.context_length, max_running=max_running)
+    return Engine(BatchRunner(lm.model, pool, lm.device), lm.tokenizer, lm.stop_ids, lm.context_length, max_running=max_running, step_tokens=STEP_TOKENS)
 
 
 def hf_sequential(lm, batch, tokens):
@@ -79,7 +81,7 @@ def run(engine):
 
 
 def start_all(lm, batch, max_tokens):
-    engine = make_engine(lm, max_running=len(batch))
+    engine = make_engine(lm, max_running=len(batch) + 1)  # room for one more to join
     requests = [Request(f"r{n}", p, SamplingParams(max_tokens=max_tokens, temperature=0, logit_bias=NO_STOP)) for n, p in enumerate(batch)]
     for request in requests:
         engine.add(request)
@@ -95,14 +97,16 @@ def engine_throughput(lm, batch, tokens):
 
 
 def engine_decoding(lm, batch, steps):
-    """Tokens/s of steps in which every request decodes: the figure to hold against (b)."""
-    engine, requests = start_all(lm, batch, 100_000 // len(batch))
+    """Tokens/s of steps in which every request decodes: the figure to hold against (b); and
+    the mean context length then, for (b) to decode at."""
+    engine, requests = start_all(lm, batch, 1024)
     while engine.waiting or any(r.first_token_at is None for r in requests):
         engine.step()
+    context = statistics.mean(len(r.all_ids) for r in requests) + steps / 2
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    return len(batch) * steps / (time.perf_counter() - start)
+    return len(batch) * steps / (time.perf_counter() - start), round(context - steps / 2)
 
 
 def join_busy_batch(lm, batch, tokens):
@@ -133,7 +137,7 @@ def join_busy_batch(lm, batch, tokens):
 
 def gap_during_long_prefill(lm, batch, prompt_tokens=4000):
     """Inter-token gap of 8 decoding streams before and while a 4,000-token prompt prefills."""
-    engine, requests = start_all(lm, batch[:8], 100_000)
+    engine, requests = start_all(lm, batch[:8], 2_000)
     while engine.waiting or any(r.first_token_at is None for r in requests):
         engine.step()
     usual = timed_steps(engine, 8)
@@ -168,10 +172,11 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="skip (a) and the memory run")
+    parser.add_argument("--memory", action="store_true", help="only the memory run")
     args = parser.parse_args()
-    folder = ROOT / ".cache" / "models" / MODEL
-    lm = loader.load(MODEL, folder)
-    model_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    if args.memory:
+        return report_memory()
+    lm = loader.load(MODEL, ROOT / ".cache" / "models" / MODEL)
     print(f"torch threads {torch.get_num_threads()}, device {lm.device}, {args.tokens} tokens per request")
     batch32 = prompts(lm.tokenizer, 32)
     bare_loop(lm, 1, 4, 16)  # warm up
@@ -180,10 +185,8 @@ def main():
     if sequential:
         print(f"(a) generate, one request after another (prefill included): {sequential:7.1f} tok/s")
     for size in (1, 8, 32):
-        # The ceiling decodes from prompts as long as the engine's, on average.
-        mean_prompt = round(statistics.mean(map(len, batch32[:size])))
-        bare = bare_loop(lm, size, args.tokens, mean_prompt)
-        decoding = engine_decoding(lm, batch32[:size], args.tokens)
+        decoding, context = engine_decoding(lm, batch32[:size], args.tokens)
+        bare = bare_loop(lm, size, args.tokens, context)  # the ceiling, at the engine's mean context
         whole = engine_throughput(lm, batch32[:size], args.tokens)
         vs_a = f"   whole/(a) x{whole / sequential:5.2f}" if sequential else ""
         print(
@@ -197,10 +200,16 @@ def main():
         f"8 streams while a 4,000-token prompt prefills ({steps} steps): gap {during * 1000:.0f} ms median, "
         f"{worst * 1000:.0f} ms worst, against {usual * 1000:.0f} ms before: x{during / usual:.2f} (worst x{worst / usual:.2f})"
     )
-    if not args.quick:
-        peak, kv = memory_with_long_sequences(lm)
-        budget = model_bytes + kv + 500 * 2**20
-        print(f"32 x 2,000 tokens: peak RSS {peak / 2**20:.0f} MB; model {model_bytes / 2**20:.0f} MB + KV {kv / 2**20:.0f} MB + 500 MB = {budget / 2**20:.0f} MB")
+    if not args.quick:  # in a process of its own: peak memory is per process
+        subprocess.run([sys.executable, __file__, "--memory"], check=True)
+
+
+def report_memory():
+    lm = loader.load(MODEL, ROOT / ".cache" / "models" / MODEL)
+    model_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    peak, kv = memory_with_long_sequences(lm)
+    budget = model_bytes + kv + 500 * 2**20
+    print(f"32 x 2,000 tokens: peak RSS {peak / 2**20:.0f} MB against model {model_bytes / 2**20:.0f} MB + KV {kv / 2**20:.0f} MB + 500 MB = {budget / 2**20:.0f} MB")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from .errors import ApiError, invalid, not_found
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -57,7 +58,18 @@ def sampling_of(data):
         "logit_bias": logit_bias_of(data),
         "seed": integer(data, "seed", None),
         "stop": stop_of(data),
+        **logprobs_of(data),
     }
+
+
+def logprobs_of(data):
+    wanted = boolean(data, "logprobs", False)
+    top = integer(data, "top_logprobs", None)
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise invalid(f"`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}]; got {top}.", param="top_logprobs")
+    if top and not wanted:
+        raise invalid("`top_logprobs` needs `logprobs: true`.", param="top_logprobs")
+    return {"logprobs": wanted, "top_logprobs": top or 0}
 
 
 def top_k_of(data):

@@ -31,7 +31,8 @@ class ChunkWriter:
         if not self.role_sent:
             delta = {"role": "assistant", **delta}
             self.role_sent = True
-        chunk = self.chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+        logprobs = {"content": entry["logprobs"]} if "logprobs" in entry else None
+        chunk = self.chunk([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
         if self.continuous_usage:  # as vLLM's continuous_usage_stats: the usage so far
             chunk["usage"] = {
                 "prompt_tokens": self.prompt_tokens,
@@ -85,16 +86,18 @@ def resume_point(last_event_id):
     return before, int(seen) + 1
 
 
-def completion(admitted, text, end):
-    """The non-streamed answer, from the accumulated deltas and the end entry."""
+def completion(admitted, deltas, end):
+    """The non-streamed answer, from the delta entries and the end entry."""
     if "error" in end:
         raise ApiError(500, end["error"], type="server_error")
-    message = {"role": "assistant", "content": text}
+    message = {"role": "assistant", "content": "".join(d["text"] for d in deltas)}
+    tokens = [token for d in deltas for token in d.get("logprobs", [])]
+    logprobs = {"content": tokens} if tokens else None
     return {
         "id": admitted.request_id,
         "object": "chat.completion",
         "created": admitted.created,
         "model": admitted.model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": end["finish_reason"]}],
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": end["finish_reason"]}],
         "usage": end["usage"],
     }

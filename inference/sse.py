@@ -155,12 +155,12 @@ async def relay_sse(send, client, writer, admitted, last_event_id=""):
 
 
 async def respond_whole(send, client, admitted):
-    text = []
+    deltas = []
     try:
         async for _, entry in entries(client, admitted, "0-0"):
             if entry["t"] == "delta":
-                text.append(entry["text"])
-        await send_json(send, 200, completion(admitted, "".join(text), entry))
+                deltas.append(entry)
+        await send_json(send, 200, completion(admitted, deltas, entry))
     except WorkerGone as exc:
         await streamlog.cancel(client, admitted.request_id)
         await send_error(send, worker_gone_error(exc))

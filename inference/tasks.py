@@ -49,8 +49,8 @@ def relay(loop, request, client):
     try:
         while True:
             output = outbox.get()
-            if output.text:
-                streamlog.append(client, request.request_id, {"t": "delta", "text": output.text, "n": output.completion_tokens})
+            if output.text or output.logprobs:
+                streamlog.append(client, request.request_id, delta_entry(output))
             if output.finished:
                 return
     except Exception:
@@ -58,6 +58,13 @@ def relay(loop, request, client):
         loop.engine.cancel(request.request_id)
         wait_until_finished(outbox)
         raise
+
+
+def delta_entry(output):
+    entry = {"t": "delta", "text": output.text, "n": output.completion_tokens}
+    if output.logprobs:
+        entry["logprobs"] = output.logprobs
+    return entry
 
 
 def wait_until_finished(outbox):

@@ -84,6 +84,9 @@ def test_it_refuses_max_tokens_out_of_range(post, max_tokens):
         ("logit_bias", {"42": 500}),
         ("logit_bias", [1, 2]),
         ("seed", 1.5),
+        ("top_logprobs", 21),
+        ("top_logprobs", 3),  # without logprobs: true
+        ("logprobs", "yes"),
         ("stop", ["a", "b", "c", "d", "e"]),
         ("n", 2),
         ("stream_options", {"include_usage": True}),

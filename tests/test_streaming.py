@@ -119,6 +119,24 @@ def test_sampling_parameters_reach_the_model(live_service, api_key, tokenizer):
     assert whole["choices"][0]["message"]["content"] == " banana" * 6
 
 
+def test_logprobs_come_with_each_token_in_the_openai_shape(live_service, api_key):
+    body = chat_body("Name a colour. Use an emoji 🎨.", temperature=0, max_tokens=12, logprobs=True, top_logprobs=3)
+    streamed = stream_chat(live_service, api_key, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    tokens = [t for _, c in streamed[:-1] if c["choices"] and c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["content"]]
+    finish, usage = streamed[-3][1]["choices"][0]["finish_reason"], streamed[-2][1]["usage"]
+    assert len(tokens) == usage["completion_tokens"] - (finish == "stop") > 3  # the end-of-turn token has none
+    for token in tokens:
+        assert token["logprob"] <= 0 and len(token["top_logprobs"]) == 3
+        assert token["top_logprobs"][0]["logprob"] == token["logprob"]  # greedy took the most likely
+        assert [t["logprob"] for t in token["top_logprobs"]] == sorted((t["logprob"] for t in token["top_logprobs"]), reverse=True)
+    assert bytes(b for t in tokens for b in t["bytes"]).decode() == content_of(c for _, c in streamed[:-1])
+    whole = httpx.post(f"{live_service.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=120).json()
+    again = whole["choices"][0]["logprobs"]["content"]
+    assert [t["bytes"] for t in again] == [t["bytes"] for t in tokens]
+    # The same numbers, up to float noise: the other request shared different steps.
+    assert all(abs(a["logprob"] - b["logprob"]) < 1e-4 for a, b in zip(again, tokens))
+
+
 def test_models_are_listed(live_service, api_key):
     response = httpx.get(f"{live_service.url}/v1/models", headers=auth(api_key))
     assert response.status_code == 200

@@ -16,6 +16,7 @@ from enum import Enum
 
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import block_hashes
+from .logprobs import logprobs_of
 from .runner import Chunk
 from .sampling import SamplingParams, make_generator, sample
 
@@ -65,10 +66,11 @@ class Output:
     finish_reason: str | None = None
     error: str | None = None
     steered: str | None = None  # steering text that took effect before this output's text
+    logprobs: list[dict] = field(default_factory=list)  # one entry per token of this step
 
 
 class Engine:
-    def __init__(self, runner, tokenizer, stop_ids, context_length, max_running=8, step_tokens=64, idle_chunk=512, clock=time.time):
+    def __init__(self, runner, tokenizer, stop_ids, context_length, max_running=8, step_tokens=24, idle_chunk=512, clock=time.time):
         self.runner = runner
         self.pool = runner.pool
         self.tokenizer = tokenizer
@@ -120,7 +122,7 @@ class Engine:
             logits = self.runner.forward([chunk for _, chunk in scheduled])
             outputs += [self._after_forward(r, chunk, row) for (r, chunk), row in zip(scheduled, logits)]
         self._drop_finished()
-        return [o for o in outputs if o and (o.text or o.finished or o.steered)]
+        return [o for o in outputs if o and (o.text or o.finished or o.steered or o.logprobs)]
 
     def _drop_finished(self):
         self.running = [r for r in self.running if r.status is not RequestStatus.FINISHED]
@@ -245,10 +247,16 @@ class Engine:
         request.generated.append(True)
         if request.first_token_at is None:
             request.first_token_at = self.clock()
-        return self._update(request, token)
+        output = self._update(request, token)
+        if request.params.logprobs and not self._is_stop_token(request, token):  # as OpenAI: no entry for the end
+            output.logprobs = [logprobs_of(self.tokenizer, logits, token, request.params.top_logprobs)]
+        return output
+
+    def _is_stop_token(self, request, token):
+        return token in self.stop_ids or token in request.params.stop_token_ids
 
     def _update(self, request, token):
-        if token in self.stop_ids or token in request.params.stop_token_ids:
+        if self._is_stop_token(request, token):
             return self._finish(request, "stop")
         text = request.detokenizer.add(token)
         if request.detokenizer.stopped:

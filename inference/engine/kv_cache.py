@@ -42,12 +42,12 @@ class BlockPool:
         self.refs = [0] * num_blocks
         self.cached = OrderedDict()  # hash -> block, least recently used first
         self.hash_of = {}  # block -> hash, for cached blocks
+        self.idle_cached = 0  # cached blocks nobody uses: evictable
         self.reserved = 0
 
     def available(self):
         """Blocks that can be handed out: free ones and cached ones nobody uses."""
-        idle_cached = sum(1 for block in self.cached.values() if self.refs[block] == 0)
-        return len(self.free) + idle_cached - self.reserved
+        return len(self.free) + self.idle_cached - self.reserved
 
     def reserve(self, count):
         if count > self.available():
@@ -69,6 +69,7 @@ class BlockPool:
         for digest, block in self.cached.items():
             if self.refs[block] == 0:
                 del self.cached[digest], self.hash_of[block]
+                self.idle_cached -= 1
                 return block
         raise RuntimeError("no block to evict: a reservation was not honoured")
 
@@ -82,6 +83,8 @@ class BlockPool:
             if block is None or (self.refs[block] == 0 and self.available() < 1):
                 break
             self.cached.move_to_end(digest)
+            if self.refs[block] == 0:
+                self.idle_cached -= 1
             self.refs[block] += 1
             blocks.append(block)
         return blocks
@@ -91,9 +94,12 @@ class BlockPool:
         if digest not in self.cached and block not in self.hash_of:
             self.cached[digest] = block
             self.hash_of[block] = digest
+            self.idle_cached += self.refs[block] == 0
 
     def release(self, blocks):
         for block in blocks:
             self.refs[block] -= 1
-            if self.refs[block] == 0 and block not in self.hash_of:
+            if self.refs[block] == 0 and block in self.hash_of:
+                self.idle_cached += 1
+            elif self.refs[block] == 0:
                 heapq.heappush(self.free, block)

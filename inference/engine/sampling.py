@@ -22,6 +22,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self):
         # JSON (a Celery message, say) turns integer keys into strings.
