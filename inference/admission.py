@@ -62,9 +62,9 @@ def admit(chat, owner):
 
     received_at = time.time()
     ids = prompt_ids(chat)
-    max_tokens = checked_max_tokens(
-        chat, len(ids), registry.context_length(chat.model), settings.TOKSTREAM_DEFAULT_MAX_TOKENS
-    )
+    # A sequence never holds more than the worker's whole KV cache, whatever the model allows.
+    room = min(registry.context_length(chat.model), settings.TOKSTREAM_KV_CACHE_TOKENS)
+    max_tokens = checked_max_tokens(chat, len(ids), room, settings.TOKSTREAM_DEFAULT_MAX_TOKENS)
     client = streamlog.sync_client()
     check_served(client, chat.model)
     admitted = Admitted(f"chatcmpl-{uuid.uuid4().hex}", chat.model, int(time.time()), len(ids))

@@ -187,7 +187,8 @@ def stop_of(data):
 
 
 def checked_max_tokens(chat, prompt_tokens, context_length, default):
-    """The completion budget, or the error OpenAI gives when prompt + budget cannot fit."""
+    """The completion budget, or the error OpenAI gives when prompt + budget cannot fit in the
+    context (the model's, or the worker's KV cache if smaller)."""
     room = context_length - prompt_tokens
     if room < 1:
         raise ApiError(
