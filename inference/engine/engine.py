@@ -122,7 +122,7 @@ class Engine:
             logits = self.runner.forward([chunk for _, chunk in scheduled])
             outputs += [self._after_forward(r, chunk, row) for (r, chunk), row in zip(scheduled, logits)]
         self._drop_finished()
-        return [o for o in outputs if o and (o.text or o.finished or o.steered or o.logprobs)]
+        return [o for o in outputs if o and (o.text or o.finished or o.steered or o.logprobs or o.error)]
 
     def _drop_finished(self):
         self.running = [r for r in self.running if r.status is not RequestStatus.FINISHED]
@@ -154,9 +154,10 @@ class Engine:
 
     def _inject(self, request, text):
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if not ids or not self.pool.reserve(math.ceil(len(ids) / self.pool.block_size) + 1):
+        blocks = math.ceil(len(ids) / self.pool.block_size) + 1  # +1: they may straddle a block
+        if not ids or not self.pool.reserve(blocks):
             return Output(request.request_id, "", len(request.output_ids), error=f"steering not applied: {text!r}")
-        request.reserved += math.ceil(len(ids) / self.pool.block_size) + 1
+        request.reserved += blocks
         request.all_ids += ids
         request.generated += [False] * len(ids)
         request.steered_tokens += len(ids)
