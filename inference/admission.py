@@ -8,6 +8,7 @@ from django.conf import settings
 
 from . import registry, streamlog
 from .chat_request import checked_max_tokens
+from .engine.kv_cache import BLOCK_SIZE
 from .errors import ApiError, not_found
 
 
@@ -63,7 +64,8 @@ def admit(chat, owner):
     received_at = time.time()
     ids = prompt_ids(chat)
     # A sequence never holds more than the worker's whole KV cache, whatever the model allows.
-    room = min(registry.context_length(chat.model), settings.TOKSTREAM_KV_CACHE_TOKENS)
+    cache_tokens = settings.TOKSTREAM_KV_CACHE_TOKENS // BLOCK_SIZE * BLOCK_SIZE  # as the pool rounds
+    room = min(registry.context_length(chat.model), cache_tokens)
     max_tokens = checked_max_tokens(chat, len(ids), room, settings.TOKSTREAM_DEFAULT_MAX_TOKENS)
     client = streamlog.sync_client()
     check_served(client, chat.model)

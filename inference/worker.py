@@ -16,10 +16,8 @@ from django.conf import settings
 
 from . import registry, streamlog
 from .engine import Engine, Request, SamplingParams
-from .engine.kv_cache import BlockPool
+from .engine.kv_cache import BLOCK_SIZE, BlockPool
 from .engine.runner import BatchRunner
-
-BLOCK_SIZE = 16
 
 log = logging.getLogger(__name__)
 _loops = {}

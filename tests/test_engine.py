@@ -129,6 +129,9 @@ def test_a_request_that_cannot_fit_waits_and_one_that_never_can_is_refused(token
     engine.add(Request("huge", [7], SamplingParams(max_tokens=10**6, **GREEDY)))
     [refused] = engine.step()
     assert refused.finish_reason == "error" and "larger than the whole KV cache" in refused.error
+    engine.add(Request("empty", [], SamplingParams(max_tokens=3, **GREEDY)))
+    [empty] = engine.step()
+    assert empty.finish_reason == "error" and not engine.has_work()
 
 
 # -- the real model ------------------------------------------------------------------------
@@ -255,6 +258,16 @@ def test_steering_counts_as_prompt_and_changes_the_continuation(model):
     assert steered.output_ids[5:] != plain.output_ids[5:]
     marks = [o for o in outputs if o.steered]
     assert len(marks) == 1 and marks[0].steered == " The cat suddenly learned to fly."
+
+
+def test_steering_past_the_context_is_refused(tokenizer):
+    engine, _ = make_engine(tokenizer, {"a": ids(tokenizer, " x" * 20)})
+    request = Request("a", [5] * 50, SamplingParams(max_tokens=10, **GREEDY))
+    engine.add(request)
+    engine.step()
+    engine.steer("a", " and now a very long instruction that cannot possibly fit in what is left")
+    [refusal] = [o for o in engine.step() if o.error]
+    assert "steering not applied" in refusal.error and request.steered_tokens == 0
 
 
 def test_a_shared_prefix_is_computed_once(model):

@@ -47,3 +47,16 @@ def test_a_lookup_does_not_take_blocks_promised_to_a_reservation():
 def test_hashes_cover_everything_before_their_block():
     assert block_hashes([1, 2, 3, 4], 2)[1] != block_hashes([9, 9, 3, 4], 2)[1]
     assert len(block_hashes([1, 2, 3], 2)) == 1  # only full blocks
+
+
+def test_eviction_takes_a_cached_chain_from_its_tail():
+    p = pool(3)
+    p.reserve(3)
+    blocks = [p.allocate() for _ in range(3)]
+    hashes = block_hashes([1, 2, 3, 4, 5, 6], 2)
+    for block, digest in reversed(list(zip(blocks, hashes))):  # as the engine registers them
+        p.register(block, digest)
+    p.release(blocks)
+    p.reserve(1)
+    p.allocate()  # evicts one cached block
+    assert p.lookup(hashes) == blocks[:2]  # the head of the chain is still there

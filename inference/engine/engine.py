@@ -129,6 +129,7 @@ class Engine:
 
     def fail_all(self, message):
         """The forward pass failed: end every live request rather than hang them."""
+        self._drop_finished()  # those already ended keep their own ending
         with self._lock:
             failed, self.waiting = [*self.running, *self.waiting], deque()
         self.running = []
@@ -155,7 +156,8 @@ class Engine:
     def _inject(self, request, text):
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         blocks = math.ceil(len(ids) / self.pool.block_size) + 1  # +1: they may straddle a block
-        if not ids or not self.pool.reserve(blocks):
+        fits = ids and len(request.all_ids) + len(ids) < self.context_length
+        if not fits or not self.pool.reserve(blocks):
             return Output(request.request_id, "", len(request.output_ids), error=f"steering not applied: {text!r}")
         request.reserved += blocks
         request.all_ids += ids
@@ -168,16 +170,25 @@ class Engine:
         refused = []
         while self.waiting and len(self.running) < self.max_running:
             request = self.waiting[0]
-            too_large = self._worst_case(request) > self.pool.num_blocks
-            if not too_large and not self._reserve(request):
+            problem = self._never_fits(request)
+            if not problem and not self._reserve(request):
                 break  # the head waits until its worst case fits
             with self._lock:
                 self.waiting.popleft()
-            if too_large:
-                refused.append(self._finish(request, "error", error="the request is larger than the whole KV cache"))
+            if problem:
+                refused.append(self._finish(request, "error", error=problem))
             else:
                 self._start(request)
         return refused
+
+    def _never_fits(self, request):
+        if not request.prompt_ids:
+            return "the prompt is empty"
+        if len(request.prompt_ids) >= self.context_length:
+            return "the prompt fills the whole context"
+        if self._worst_case(request) > self.pool.num_blocks:
+            return "the request is larger than the whole KV cache"
+        return None
 
     def _worst_case(self, request):
         """Blocks for the prompt and every token it may produce: reserved up front, so a
@@ -239,10 +250,13 @@ class Engine:
         if not request.output_ids:
             self._register_computed(request)  # the prompt is in: later requests may share it
         try:
-            token = sample(logits, request.params, request.generator, request.prompt_ids, request.output_ids)
+            return self._next_token(request, logits)
         except Exception as exc:  # one request's failure ends that request, not its neighbours
             log.exception("request %s failed", request.request_id)
             return self._finish(request, "error", error=f"generation failed: {exc}")
+
+    def _next_token(self, request, logits):
+        token = sample(logits, request.params, request.generator, request.prompt_ids, request.output_ids)
         request.output_ids.append(token)
         request.all_ids.append(token)
         request.generated.append(True)
@@ -280,7 +294,8 @@ class Engine:
 
     def _register_computed(self, request):
         computed = request.all_ids[: request.computed]
-        for block, digest in zip(request.blocks, block_hashes(computed, self.pool.block_size)):
+        pairs = list(zip(request.blocks, block_hashes(computed, self.pool.block_size)))
+        for block, digest in reversed(pairs):  # a chain's head is the last to be evicted
             self.pool.register(block, digest)
 
     def _free(self, request):

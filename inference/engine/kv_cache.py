@@ -13,6 +13,8 @@ from collections import OrderedDict
 
 import torch
 
+BLOCK_SIZE = 16
+
 
 def block_hashes(token_ids, block_size):
     """One hash per full block, each covering every token up to that block's end."""
@@ -75,18 +77,20 @@ class BlockPool:
 
     def lookup(self, hashes):
         """The longest run of cached blocks for these hashes, now referenced by the caller."""
-        blocks = []
+        blocks, matched = [], []
         for digest in hashes:
             block = self.cached.get(digest)
             # An idle cached block may be counted in someone's reservation: take it only if
             # that leaves the reservations whole.
             if block is None or (self.refs[block] == 0 and self.available() < 1):
                 break
-            self.cached.move_to_end(digest)
             if self.refs[block] == 0:
                 self.idle_cached -= 1
             self.refs[block] += 1
             blocks.append(block)
+            matched.append(digest)
+        for digest in reversed(matched):  # most recent last, the chain's head newest of all:
+            self.cached.move_to_end(digest)  # eviction then takes a chain from its tail
         return blocks
 
     def register(self, block, digest):
