@@ -35,8 +35,8 @@ from django.core.management import call_command  # noqa: E402
 
 from billing.models import ApiKey  # noqa: E402
 from inference import registry  # noqa: E402
-from inference.engine import Engine, Request, SamplingParams  # noqa: E402
-from inference.engine.runner import HFRunner  # noqa: E402
+from inference.engine import Request, SamplingParams  # noqa: E402
+from inference.worker import build_engine  # noqa: E402
 from tokstream_site import processes  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -103,8 +103,7 @@ def main():
     children = start_service(args.port)
     try:
         model = registry.load(MODEL)
-        runner = HFRunner(model.model, model.device)
-        engine = Engine(runner, model.tokenizer, model.stop_ids, model.context_length)
+        engine = build_engine(model)  # as the worker builds it
         prompt = model.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
         engine_run(engine, prompt, 4)  # warm up
         service_run(f"http://127.0.0.1:{args.port}", key, 4)
