@@ -27,8 +27,6 @@ sys.path.insert(0, str(ROOT))
 
 from inference.engine import Engine, Request, SamplingParams  # noqa: E402
 from inference.engine import loader  # noqa: E402
-from inference.engine.kv_cache import BlockPool  # noqa: E402
-from inference.engine.runner import BatchRunner  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 STEP_TOKENS = int(os.environ.get("TOKSTREAM_STEP_TOKENS", "24"))
@@ -48,8 +46,7 @@ def prompts(tokenizer, count):
 
 
 def make_engine(lm, max_running, cache_tokens=48_000):
-    pool = BlockPool.for_model(lm.model.config, cache_tokens, 16, lm.model.dtype, lm.device)
-    return Engine(BatchRunner(lm.model, pool, lm.device), lm.tokenizer, lm.stop_ids, lm.context_length, max_running=max_running, step_tokens=STEP_TOKENS)
+    return Engine.for_model(lm, cache_tokens, max_running=max_running, step_tokens=STEP_TOKENS)
 
 
 def hf_sequential(lm, batch, tokens):

@@ -16,8 +16,6 @@ from django.conf import settings
 
 from . import registry, streamlog
 from .engine import Engine, Request, SamplingParams
-from .engine.kv_cache import BLOCK_SIZE, BlockPool
-from .engine.runner import BatchRunner
 
 log = logging.getLogger(__name__)
 _loops = {}
@@ -86,14 +84,9 @@ class EngineLoop(threading.Thread):
 
 
 def build_engine(lm):
-    pool = BlockPool.for_model(
-        lm.model.config, settings.TOKSTREAM_KV_CACHE_TOKENS, BLOCK_SIZE, lm.model.dtype, lm.device
-    )
-    engine = Engine(
-        BatchRunner(lm.model, pool, lm.device),
-        lm.tokenizer,
-        lm.stop_ids,
-        lm.context_length,
+    engine = Engine.for_model(
+        lm,
+        settings.TOKSTREAM_KV_CACHE_TOKENS,
         max_running=settings.TOKSTREAM_MAX_RUNNING,
         step_tokens=settings.TOKSTREAM_STEP_TOKENS,
     )

@@ -62,3 +62,16 @@ class LiveService:
                 child.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 child.kill()
+
+
+def wait_for_entry(seconds, **fields):
+    """The ledger entry the worker writes when a request ends, once it is there."""
+    from billing.models import UsageEntry
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        entry = UsageEntry.objects.filter(**fields).first()
+        if entry:
+            return entry
+        time.sleep(0.1)
+    raise AssertionError(f"no ledger entry with {fields} after {seconds} s")

@@ -1,14 +1,13 @@
 """The chat page in a real headless Chromium, against the live service and the real model."""
 
 import shutil
-import time
 
 import pytest
+from django.db import connections
 from playwright.sync_api import sync_playwright
 
-from django.db import connections
-
 from billing.models import UsageEntry
+from tests.service import wait_for_entry
 
 pytestmark = pytest.mark.django_db(transaction=True)
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -92,12 +91,3 @@ def test_leaving_the_page_cancels_the_reply(page, live_service):
     assert entry.status == "cancelled"
     assert entry.completion_tokens < 512
 
-
-def wait_for_entry(seconds):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        entry = UsageEntry.objects.first()
-        if entry:
-            return entry
-        time.sleep(0.2)
-    raise AssertionError(f"no ledger entry after {seconds} s")

@@ -4,8 +4,6 @@ import pytest
 import torch
 
 from inference.engine import Engine, Request, RequestStatus, SamplingParams
-from inference.engine.kv_cache import BlockPool
-from inference.engine.runner import BatchRunner
 from tests.scripted import ScriptedRunner
 
 GREEDY = dict(temperature=0)
@@ -138,9 +136,7 @@ def test_a_request_that_cannot_fit_waits_and_one_that_never_can_is_refused(token
 
 
 def real_engine(model, cache_tokens=16384, **options):
-    pool = BlockPool.for_model(model.model.config, cache_tokens, 16, model.model.dtype, model.device)
-    runner = BatchRunner(model.model, pool, model.device)
-    return Engine(runner, model.tokenizer, model.stop_ids, model.context_length, **options)
+    return Engine.for_model(model, cache_tokens, **options)
 
 
 def chat(model, text):

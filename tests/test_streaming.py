@@ -1,11 +1,11 @@
 """End to end with the real model: Daphne, a Celery worker, Redis and the database."""
 
-import time
 
 import httpx
 import pytest
 
 from billing.models import UsageEntry, hash_key
+from tests.service import wait_for_entry
 from tests.sse import MODEL, auth, chat_body, content_of, events, stream_chat
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -87,7 +87,7 @@ def test_a_client_that_leaves_cancels_its_request(live_service, api_key):
             request_id = data["id"]
             if n == 2:
                 break  # leave after the first deltas
-    entry = wait_for_entry(request_id, seconds=10)
+    entry = wait_for_entry(seconds=10, request_id=request_id)
     assert entry.status == "cancelled"
     assert entry.finish_reason == "cancelled"
     assert 3 <= entry.completion_tokens < 100
@@ -98,7 +98,7 @@ def test_a_client_that_leaves_a_whole_completion_cancels_it(live_service, api_ke
     body = chat_body("Write a long essay about the history of tea.", max_tokens=400, temperature=0.7, seed=1)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{live_service.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=httpx.Timeout(10, read=1.5))
-    entry = wait_for_entry_where(api_key__key_hash=hash_key(api_key), seconds=10)
+    entry = wait_for_entry(seconds=10, api_key__key_hash=hash_key(api_key))
     assert entry.status == "cancelled"
     assert 0 < entry.completion_tokens < 400
 
@@ -156,16 +156,3 @@ def test_the_worker_loaded_its_model_once(live_service, api_key):
         stream_chat(live_service, api_key, chat_body("Hi", max_tokens=2, stream=True))
     assert (live_service.logs / "worker.log").read_text().count(f"model {MODEL} loaded") == 1
 
-
-def wait_for_entry(request_id, seconds):
-    return wait_for_entry_where(request_id=request_id, seconds=seconds)
-
-
-def wait_for_entry_where(seconds, **fields):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        entry = UsageEntry.objects.filter(**fields).first()
-        if entry:
-            return entry
-        time.sleep(0.1)
-    raise AssertionError(f"no ledger entry with {fields} after {seconds} s")

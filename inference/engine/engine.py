@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from .detokenizer import IncrementalDetokenizer
-from .kv_cache import block_hashes
+from .kv_cache import BLOCK_SIZE, BlockPool, block_hashes
 from .logprobs import logprobs_of
-from .runner import Chunk
+from .runner import BatchRunner, Chunk
 from .sampling import SamplingParams, make_generator, sample
 
 log = logging.getLogger(__name__)
+MIN_PREFILL_TOKENS = 16  # a step's prefill share however many decode: waiting prompts still advance
 
 
 class RequestStatus(Enum):
@@ -70,6 +71,12 @@ class Output:
 
 
 class Engine:
+    @classmethod
+    def for_model(cls, lm, cache_tokens, block_size=BLOCK_SIZE, **options):
+        """An engine over a loaded model, with a KV cache of `cache_tokens` tokens."""
+        pool = BlockPool.for_model(lm.model.config, cache_tokens, block_size, lm.model.dtype, lm.device)
+        return cls(BatchRunner(lm.model, pool, lm.device), lm.tokenizer, lm.stop_ids, lm.context_length, **options)
+
     def __init__(self, runner, tokenizer, stop_ids, context_length, max_running=8, step_tokens=24, idle_chunk=512, clock=time.time):
         self.runner = runner
         self.pool = runner.pool
@@ -223,7 +230,7 @@ class Engine:
         decoding = [r for r in self.running if r.pending() == 1]
         prefilling = [r for r in self.running if r.pending() > 1]
         scheduled = [(r, self._chunk(r, 1)) for r in decoding]
-        budget = max(self.step_tokens - len(decoding), 16) if decoding else self.idle_chunk
+        budget = max(self.step_tokens - len(decoding), MIN_PREFILL_TOKENS) if decoding else self.idle_chunk
         for request in prefilling:
             if budget <= 0:
                 break

@@ -16,6 +16,10 @@ import torch
 BLOCK_SIZE = 16
 
 
+def head_dim_of(config):
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def block_hashes(token_ids, block_size):
     """One hash per full block, each covering every token up to that block's end."""
     hashes, digest = [], hashlib.sha256()
@@ -29,9 +33,8 @@ class BlockPool:
     @classmethod
     def for_model(cls, config, tokens, block_size, dtype, device):
         """A pool holding `tokens` cached tokens of every layer of this model."""
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         blocks = max(1, tokens // block_size)
-        return cls(config.num_hidden_layers, blocks, block_size, config.num_key_value_heads, head_dim, dtype, device)
+        return cls(config.num_hidden_layers, blocks, block_size, config.num_key_value_heads, head_dim_of(config), dtype, device)
 
     def __init__(self, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, device):
         self.block_size = block_size

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .kv_cache import head_dim_of
+
 
 @dataclass
 class Chunk:
@@ -53,10 +55,10 @@ class AttentionPlan:
         return rows, blocks, visible[:, None, None, :]  # mask: [B, 1, 1, W * block_size]
 
     def prefill_group(self, chunk, first_row):
-        table, end = self.used_blocks(chunk)
+        table, _ = self.used_blocks(chunk)
         query_pos = chunk.start + torch.arange(len(chunk.token_ids), device=self.device)
         causal = torch.arange(len(table) * self.block_size, device=self.device)[None, :] <= query_pos[:, None]  # [L, C]
-        return slice(first_row, end - chunk.start + first_row), torch.tensor(table, device=self.device), causal
+        return slice(first_row, first_row + len(chunk.token_ids)), torch.tensor(table, device=self.device), causal
 
 
 class BatchRunner:
@@ -67,7 +69,7 @@ class BatchRunner:
         config = model.config
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim_of(config)
         self.workspace = {}
 
     def gather(self, cache, blocks, name):
