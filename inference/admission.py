@@ -77,6 +77,7 @@ def admit(chat, owner):
         "model": chat.model,
         "prompt_ids": ids,
         "params": params,
+        "n": chat.n,
         "received_at": received_at,
         "api_key_id": owner.api_key_id,
         "user_id": owner.user_id,

@@ -9,6 +9,7 @@ from .errors import ApiError, invalid, not_found
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16
 
 
 @dataclass
@@ -19,6 +20,7 @@ class ChatRequest:
     include_usage: bool = False
     continuous_usage: bool = False
     max_tokens: int | None = None
+    n: int = 1
     sampling: dict = field(default_factory=dict)  # the engine's SamplingParams, but max_tokens
 
 
@@ -31,7 +33,6 @@ def parse(body, content_type):
         raise invalid(f"The body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise invalid("The body must be a JSON object.")
-    check_n(data)
     if data.get("stream_options") is not None and not data.get("stream"):
         raise invalid("`stream_options` is only allowed when `stream` is true.", param="stream_options")
     return ChatRequest(  # keyword arguments run in order: the model is known before its vocabulary is needed
@@ -41,6 +42,7 @@ def parse(body, content_type):
         include_usage=stream_option(data, "include_usage"),
         continuous_usage=stream_option(data, "continuous_usage_stats"),
         max_tokens=max_tokens_of(data),
+        n=n_of(data),
         sampling=sampling_of(data),
     )
 
@@ -128,9 +130,13 @@ def content_text(content, param):
     raise invalid(f"{param} must be a string or an array of text parts.", param=param)
 
 
-def check_n(data):
-    if data.get("n") not in (None, 1):
-        raise invalid("Only `n: 1` is supported.", param="n")
+def n_of(data):
+    value = integer(data, "n", 1)
+    if value is None:
+        return 1
+    if not 1 <= value <= MAX_CHOICES:
+        raise invalid(f"`n` must be in [1, {MAX_CHOICES}]; got {value}.", param="n")
+    return value
 
 
 def boolean(data, name, default):

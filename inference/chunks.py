@@ -19,20 +19,26 @@ class ChunkWriter:
         self.prompt_tokens = admitted.prompt_tokens
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
-        self.role_sent = resumed
+        self.resumed = resumed  # a resumed reader has seen the role already
+        self.roles_sent = set()
 
     def chunks(self, entry):
         if entry["t"] == "delta":
             return [self.delta_chunk(entry)]
         return self.end_chunks(entry)
 
+    def opening(self, index):
+        """The role, in the first delta of each choice."""
+        if self.resumed or index in self.roles_sent:
+            return {}
+        self.roles_sent.add(index)
+        return {"role": "assistant"}
+
     def delta_chunk(self, entry):
-        delta = {"content": entry["text"]}
-        if not self.role_sent:
-            delta = {"role": "assistant", **delta}
-            self.role_sent = True
+        index = entry.get("i", 0)
+        delta = {**self.opening(index), "content": entry["text"]}
         logprobs = {"content": entry["logprobs"]} if "logprobs" in entry else None
-        chunk = self.chunk([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
+        chunk = self.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
         if self.continuous_usage:  # as vLLM's continuous_usage_stats: the usage so far
             chunk["usage"] = {
                 "prompt_tokens": self.prompt_tokens,
@@ -45,12 +51,17 @@ class ChunkWriter:
         if "error" in entry:
             chunks = [ApiError(500, entry["error"], type="server_error").body()]
         else:
-            delta = {} if self.role_sent else {"role": "assistant", "content": ""}
-            chunks = [self.chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": entry["finish_reason"]}])]
+            chunks = [self.finish_chunk(index, reason) for index, reason in enumerate(entry["finish_reasons"])]
         # The usage chunk keeps its place (None) when not asked for, so event ids stay the same
         # whichever options a reader of the log chose.
         chunks.append({**self.chunk([]), "usage": entry["usage"]} if self.include_usage else None)
         return chunks
+
+    def finish_chunk(self, index, reason):
+        delta = self.opening(index)
+        if delta:  # a choice that said nothing still names its role, as OpenAI's do
+            delta["content"] = ""
+        return self.chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}])
 
     def chunk(self, choices):
         chunk = {**self.base, "choices": choices}
@@ -90,14 +101,18 @@ def completion(admitted, deltas, end):
     """The non-streamed answer, from the delta entries and the end entry."""
     if "error" in end:
         raise ApiError(500, end["error"], type="server_error")
-    message = {"role": "assistant", "content": "".join(d["text"] for d in deltas)}
-    tokens = [token for d in deltas for token in d.get("logprobs", [])]
-    logprobs = {"content": tokens} if tokens else None
     return {
         "id": admitted.request_id,
         "object": "chat.completion",
         "created": admitted.created,
         "model": admitted.model,
-        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": end["finish_reason"]}],
+        "choices": [choice(index, [d for d in deltas if d.get("i", 0) == index], reason) for index, reason in enumerate(end["finish_reasons"])],
         "usage": end["usage"],
     }
+
+
+def choice(index, deltas, finish_reason):
+    message = {"role": "assistant", "content": "".join(d["text"] for d in deltas)}
+    tokens = [token for d in deltas for token in d.get("logprobs", [])]
+    logprobs = {"content": tokens} if tokens else None
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -33,10 +33,12 @@ class EngineLoop(threading.Thread):
         self.outboxes = {}
         self.wake = threading.Event()
 
-    def submit(self, request):
+    def submit(self, *requests):
+        """Queue the choices of one request; their outputs arrive in one outbox, in order."""
         outbox = queue.Queue()
-        self.outboxes[request.request_id] = outbox
-        self.engine.add(request)
+        for request in requests:
+            self.outboxes[request.request_id] = outbox
+        self.engine.add(*requests)
         self.wake.set()
         return outbox
 

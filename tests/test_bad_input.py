@@ -88,7 +88,9 @@ def test_it_refuses_max_tokens_out_of_range(post, max_tokens):
         ("top_logprobs", 3),  # without logprobs: true
         ("logprobs", "yes"),
         ("stop", ["a", "b", "c", "d", "e"]),
-        ("n", 2),
+        ("n", 0),
+        ("n", 17),
+        ("n", 1.5),
         ("stream_options", {"include_usage": True}),
     ],
 )

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from inference.engine import Engine, Request, RequestStatus, SamplingParams
+from inference.engine import Engine, Request, RequestStatus, SamplingParams, choices
 from tests.scripted import ScriptedRunner
 
 GREEDY = dict(temperature=0)
@@ -256,7 +256,39 @@ def test_steering_counts_as_prompt_and_changes_the_continuation(model):
     assert len(marks) == 1 and marks[0].steered == " The cat suddenly learned to fly."
 
 
-def test_steering_past_the_context_is_refused(tokenizer):
+def test_n_choices_share_the_prompt_and_each_repeats_its_own_seed(model):
+    prompt = chat(model, "Write a sentence about the sea. " * 6)
+    engine = real_engine(model)
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=42)
+    group = choices("g", prompt, params, n=3)
+    engine.add(*group)
+    outputs = run(engine)
+    assert sorted(o.index for o in outputs if o.finished) == [0, 1, 2]
+    tail = len(prompt) - 16 * ((len(prompt) - 1) // 16)  # the prompt's last partial block
+    assert engine.stats["computed_prompt_tokens"] == len(prompt) + 2 * tail  # the rest came from the cache
+    assert all(r.prefilled == len(prompt) for r in group)
+    for i, request in enumerate(group):
+        alone = Request("alone", prompt, SamplingParams(max_tokens=10, temperature=1.0, seed=42 + i))
+        solo = real_engine(model)
+        solo.add(alone)
+        run(solo)
+        assert request.output_ids == alone.output_ids, i
+    assert len({tuple(r.output_ids) for r in group}) == 3
+
+
+def test_cancel_and_steer_reach_every_choice(tokenizer):
+    engine, _ = make_engine(tokenizer, {f"g.{i}": ids(tokenizer, " x" * 20) for i in range(2)})
+    group = choices("g", [5] * 20, SamplingParams(max_tokens=20, **GREEDY), n=2)
+    engine.add(*group)
+    while not all(r.output_ids for r in group):
+        engine.step()
+    assert engine.live_ids() == ["g"]
+    engine.steer("g", " more")
+    assert sorted(o.index for o in engine.step() if o.steered) == [0, 1]
+    engine.cancel("g")
+    assert sorted(o.index for o in engine.step() if o.finish_reason == "cancelled") == [0, 1]
+    assert not engine.has_work() and all(r.steered_tokens == 1 for r in group)
+
     engine, _ = make_engine(tokenizer, {"a": ids(tokenizer, " x" * 20)})
     request = Request("a", [5] * 50, SamplingParams(max_tokens=10, **GREEDY))
     engine.add(request)

@@ -79,6 +79,24 @@ def test_the_usage_chunk_equals_the_ledger_entry(live_service, api_key, tokenize
     assert entry.tokenizer.startswith(MODEL)
 
 
+def test_n_choices_stream_side_by_side_and_bill_the_prompt_once(live_service, api_key, tokenizer):
+    body = chat_body("Name an animal.", temperature=1.0, seed=7, max_tokens=8, n=3)
+    streamed = stream_chat(live_service, api_key, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = [data for _, data in streamed[:-1]]
+    by_choice = {i: [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i] for i in range(3)}
+    for parts in by_choice.values():
+        assert parts[0]["delta"]["role"] == "assistant" and all("role" not in p["delta"] for p in parts[1:])
+        assert parts[-1]["finish_reason"] in ("stop", "length") and all(p["finish_reason"] is None for p in parts[:-1])
+    texts = ["".join(p["delta"].get("content", "") for p in by_choice[i]) for i in range(3)]
+    whole = httpx.post(f"{live_service.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=120).json()
+    assert [c["message"]["content"] for c in whole["choices"]] == texts  # the seeds repeat per choice
+    assert len(set(texts)) > 1
+    entry = UsageEntry.objects.get(request_id=chunks[0]["id"])
+    assert entry.prompt_tokens == len(tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True))
+    assert chunks[-1]["usage"]["completion_tokens"] == entry.completion_tokens == whole["usage"]["completion_tokens"]
+    assert entry.completion_tokens <= 3 * 8
+
+
 def test_a_client_that_leaves_cancels_its_request(live_service, api_key):
     body = chat_body("Write a long essay about the history of tea.", max_tokens=400, stream=True, temperature=0.7, seed=1)
     with httpx.stream("POST", f"{live_service.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=60) as response:

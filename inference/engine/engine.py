@@ -11,7 +11,7 @@ import math
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from .detokenizer import IncrementalDetokenizer
@@ -53,9 +53,32 @@ class Request:
     finished_at: float | None = None
     detokenizer: IncrementalDetokenizer | None = None
     generator: object = None
+    group: str = ""  # the client's request id: cancel and steer reach every choice of it
+    index: int = 0  # the choice this sequence is, for n > 1
+    leader: "Request | None" = None  # starts once the leader's prompt is cached, to share it
+
+    def __post_init__(self):
+        self.group = self.group or self.request_id
 
     def pending(self):
         return len(self.all_ids) - self.computed
+
+    def waits_for_leader(self):
+        leader = self.leader
+        return leader is not None and leader.status is not RequestStatus.FINISHED and not leader.output_ids
+
+
+def choices(request_id, prompt_ids, params, n=1):
+    """The n sequences of one request. Choice 0 prefills the prompt; the others start once its
+    blocks are in the prefix cache and compute only the prompt's last partial block. A seed
+    gives choice i the seed + i, as vLLM does, so the choices differ yet repeat."""
+    if n == 1:
+        return [Request(request_id, prompt_ids, params)]
+    first = Request(f"{request_id}.0", prompt_ids, params, group=request_id)
+    return [first] + [
+        Request(f"{request_id}.{i}", prompt_ids, replace(params, seed=None if params.seed is None else params.seed + i), group=request_id, index=i, leader=first)
+        for i in range(1, n)
+    ]
 
 
 @dataclass
@@ -68,6 +91,7 @@ class Output:
     error: str | None = None
     steered: str | None = None  # steering text that took effect before this output's text
     logprobs: list[dict] = field(default_factory=list)  # one entry per token of this step
+    index: int = 0  # the choice
 
 
 class Engine:
@@ -96,23 +120,24 @@ class Engine:
 
     # -- called from other threads ------------------------------------------------------
 
-    def add(self, request):
+    def add(self, *requests):
         with self._lock:
-            self.waiting.append(request)
+            self.waiting.extend(requests)
 
     def cancel(self, request_id):
-        """Takes effect at the next step boundary."""
+        """Takes effect at the next step boundary, for every choice of the request."""
         with self._lock:
             self._cancelled.add(request_id)
 
     def steer(self, request_id, text):
-        """Inject text into a running request at the next step boundary."""
+        """Inject text into every choice of a running request at the next step boundary."""
         with self._lock:
             self._steers.append((request_id, text))
 
     def live_ids(self):
+        """The live requests' ids (the group's, for n > 1)."""
         with self._lock:
-            return [r.request_id for r in (*self.waiting, *self.running)]
+            return list(dict.fromkeys(r.group for r in (*self.waiting, *self.running)))
 
     def has_work(self):
         return bool(self.waiting or self.running)
@@ -145,19 +170,19 @@ class Engine:
     def _apply_cancels(self):
         with self._lock:
             cancelled, self._cancelled = self._cancelled, set()
-            waiting = [r for r in self.waiting if r.request_id in cancelled]
-            self.waiting = deque(r for r in self.waiting if r.request_id not in cancelled)
-        running = [r for r in self.running if r.request_id in cancelled]
+            waiting = [r for r in self.waiting if r.group in cancelled]
+            self.waiting = deque(r for r in self.waiting if r.group not in cancelled)
+        running = [r for r in self.running if r.group in cancelled]
         return [self._finish(r, "cancelled") for r in (*waiting, *running)]
 
     def _apply_steers(self):
         with self._lock:
             steers, self._steers = self._steers, []
-        running = {r.request_id: r for r in self.running if r.status is RequestStatus.RUNNING}
-        outputs = [self._inject(running[rid], text) for rid, text in steers if rid in running]
+        running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        outputs = [self._inject(r, text) for rid, text in steers for r in running if r.group == rid]
         with self._lock:  # a request not admitted yet takes its steering once it runs
-            waiting_ids = {r.request_id for r in self.waiting}
-            self._steers = [(rid, text) for rid, text in steers if rid in waiting_ids] + self._steers
+            waiting = {r.group for r in self.waiting}
+            self._steers = [(rid, text) for rid, text in steers if rid in waiting] + self._steers
         return outputs
 
     def _inject(self, request, text):
@@ -165,12 +190,12 @@ class Engine:
         blocks = math.ceil(len(ids) / self.pool.block_size) + 1  # +1: they may straddle a block
         fits = ids and len(request.all_ids) + len(ids) < self.context_length
         if not fits or not self.pool.reserve(blocks):
-            return Output(request.request_id, "", len(request.output_ids), error=f"steering not applied: {text!r}")
+            return self._output(request, error=f"steering not applied: {text!r}")
         request.reserved += blocks
         request.all_ids += ids
         request.generated += [False] * len(ids)
         request.steered_tokens += len(ids)
-        return Output(request.request_id, "", len(request.output_ids), steered=text)
+        return self._output(request, steered=text)
 
     def _admit(self):
         """Start waiting requests, first come first served; returns those that can never fit."""
@@ -178,8 +203,8 @@ class Engine:
         while self.waiting and len(self.running) < self.max_running:
             request = self.waiting[0]
             problem = self._never_fits(request)
-            if not problem and not self._reserve(request):
-                break  # the head waits until its worst case fits
+            if not problem and (request.waits_for_leader() or not self._reserve(request)):
+                break  # the head waits: for its worst case to fit, or for its leader's prompt
             with self._lock:
                 self.waiting.popleft()
             if problem:
@@ -285,7 +310,7 @@ class Engine:
             return self._finish(request, "stop", text)
         if self._out_of_room(request):
             return self._finish(request, "length", text)
-        return Output(request.request_id, text, len(request.output_ids))
+        return self._output(request, text)
 
     def _out_of_room(self, request):
         return len(request.output_ids) >= request.params.max_tokens or len(request.all_ids) >= self.context_length
@@ -297,7 +322,11 @@ class Engine:
         self._free(request)
         if request.detokenizer is not None:
             text += request.detokenizer.flush()
-        return Output(request.request_id, text, len(request.output_ids), True, reason, error)
+        return self._output(request, text, finished=True, finish_reason=reason, error=error)
+
+    @staticmethod
+    def _output(request, text="", **fields):
+        return Output(request.request_id, text, len(request.output_ids), index=request.index, **fields)
 
     def _register_computed(self, request):
         computed = request.all_ids[: request.computed]
