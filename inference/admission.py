@@ -63,9 +63,10 @@ def admit(chat, owner):
 
     received_at = time.time()
     ids = prompt_ids(chat)
-    # A sequence never holds more than the worker's whole KV cache, whatever the model allows.
+    # A sequence never holds more than the worker's whole KV cache, whatever the model allows;
+    # beams must all fit at once.
     cache_tokens = settings.TOKSTREAM_KV_CACHE_TOKENS // BLOCK_SIZE * BLOCK_SIZE  # as the pool rounds
-    room = min(registry.context_length(chat.model), cache_tokens)
+    room = min(registry.context_length(chat.model), cache_tokens // chat.sampling["beam_width"])
     max_tokens = checked_max_tokens(chat, len(ids), room, settings.TOKSTREAM_DEFAULT_MAX_TOKENS)
     client = streamlog.sync_client()
     check_served(client, chat.model)

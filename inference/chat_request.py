@@ -10,6 +10,16 @@ ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16
+MAX_BEAM_WIDTH = 8
+# What beam search cannot honour, with the values that mean "not asked for".
+BEAM_SEARCH_EXCLUDES = {
+    "stop": [],
+    "logprobs": False,
+    "logit_bias": {},
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
 
 
 @dataclass
@@ -35,7 +45,7 @@ def parse(body, content_type):
         raise invalid("The body must be a JSON object.")
     if data.get("stream_options") is not None and not data.get("stream"):
         raise invalid("`stream_options` is only allowed when `stream` is true.", param="stream_options")
-    return ChatRequest(  # keyword arguments run in order: the model is known before its vocabulary is needed
+    chat = ChatRequest(  # keyword arguments run in order: the model is known before its vocabulary is needed
         model=model_of(data),
         messages=messages_of(data),
         stream=boolean(data, "stream", False),
@@ -45,6 +55,8 @@ def parse(body, content_type):
         n=n_of(data),
         sampling=sampling_of(data),
     )
+    check_beam_search(chat)
+    return chat
 
 
 def sampling_of(data):
@@ -61,7 +73,38 @@ def sampling_of(data):
         "seed": integer(data, "seed", None),
         "stop": stop_of(data),
         **logprobs_of(data),
+        "beam_width": beam_width_of(data),
     }
+
+
+def extension_of(data):
+    """Our own options, under `tokstream` so that no OpenAI parameter is shadowed."""
+    options = data.get("tokstream") or {}
+    if not isinstance(options, dict):
+        raise invalid("`tokstream` must be an object.", param="tokstream")
+    unknown = sorted(set(options) - {"beam_width"})
+    if unknown:
+        raise invalid(f"`tokstream.{unknown[0]}` is not an option of this server.", param=f"tokstream.{unknown[0]}")
+    return options
+
+
+def beam_width_of(data):
+    width = extension_of(data).get("beam_width", 1)
+    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= MAX_BEAM_WIDTH:
+        raise invalid(f"`tokstream.beam_width` must be an integer in [1, {MAX_BEAM_WIDTH}]; got {width!r}.", param="tokstream.beam_width")
+    return width
+
+
+def check_beam_search(chat):
+    """Beam search is deterministic and keeps whole sequences: say what it cannot do rather
+    than drop it silently. (temperature, top_p, top_k, min_p and seed do not apply to it.)"""
+    if chat.sampling["beam_width"] == 1:
+        return
+    if chat.n != 1:
+        raise invalid("`n` cannot be combined with `tokstream.beam_width`.", param="n")
+    for name, neutral in BEAM_SEARCH_EXCLUDES.items():
+        if chat.sampling[name] != neutral:
+            raise invalid(f"`{name}` cannot be combined with `tokstream.beam_width`.", param=name)
 
 
 def logprobs_of(data):

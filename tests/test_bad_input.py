@@ -98,6 +98,24 @@ def test_it_refuses_sampling_parameters_out_of_range(post, field, value):
     post(json_body(**chat_body("hi", **{field: value})), 400, param=field)
 
 
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"tokstream": {"beam_width": 0}}, "tokstream.beam_width"),
+        ({"tokstream": {"beam_width": 9}}, "tokstream.beam_width"),
+        ({"tokstream": {"beam_width": "4"}}, "tokstream.beam_width"),
+        ({"tokstream": {"beams": 4}}, "tokstream.beams"),
+        ({"tokstream": 4}, "tokstream"),
+        ({"tokstream": {"beam_width": 4}, "n": 2}, "n"),
+        ({"tokstream": {"beam_width": 4}, "stop": "x"}, "stop"),
+        ({"tokstream": {"beam_width": 4}, "logprobs": True}, "logprobs"),
+        ({"tokstream": {"beam_width": 4}, "presence_penalty": 1}, "presence_penalty"),
+    ],
+)
+def test_it_refuses_beam_search_it_cannot_honour(post, extra, param):
+    post(json_body(**chat_body("hi", **extra)), 400, param=param)
+
+
 def test_it_refuses_a_prompt_longer_than_the_context(post):
     post(json_body(**chat_body("tea " * 9000)), 400, code="context_length_exceeded")
 

@@ -1,9 +1,9 @@
 """The engine driven step by step: a scripted token source, then the real model."""
 
 import pytest
-import torch
 
 from inference.engine import Engine, Request, RequestStatus, SamplingParams, choices
+from tests.reference import reference
 from tests.scripted import ScriptedRunner
 
 GREEDY = dict(temperature=0)
@@ -153,11 +153,7 @@ def greedy(max_tokens):
 
 
 def reference_greedy(model, prompt, tokens):
-    return model.model.generate(
-        torch.tensor([prompt], device=model.device),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
-        max_new_tokens=tokens, do_sample=False, pad_token_id=2, suppress_tokens=list(SPECIALS),
-    )[0, len(prompt):].tolist()  # fmt: skip
+    return reference(model, prompt, tokens, suppress_tokens=list(SPECIALS))
 
 
 QUESTIONS = [
@@ -317,6 +313,37 @@ def test_a_shared_prefix_is_computed_once(model):
     assert second.cached_tokens >= 16 * (len(model.tokenizer.encode(system)) // 16)
     assert computed_second == len(second.prompt_ids) - second.cached_tokens < len(second.prompt_ids) / 4
     assert second.prefilled == len(second.prompt_ids)  # billed as consumed, cached or not
+
+
+def test_beam_search_matches_transformers_and_never_takes_back_a_streamed_delta(model):
+    engine = real_engine(model)
+    neighbours = [Request(f"n{i}", chat(model, q), SamplingParams(max_tokens=24, temperature=0)) for i, q in enumerate(QUESTIONS[3:6])]
+    beams = [Request(f"b{i}", chat(model, q), SamplingParams(max_tokens=32, beam_width=4)) for i, q in enumerate(QUESTIONS[:3])]
+    expected = {r.request_id: reference(model, r.prompt_ids, 32, num_beams=4) for r in beams}
+    final = {rid: model.tokenizer.decode(ids, skip_special_tokens=True) for rid, ids in expected.items()}
+    engine.add(neighbours[0], beams[0], neighbours[1], beams[1], beams[2], neighbours[2])
+    shown = dict.fromkeys(expected, "")
+    while engine.has_work():
+        for output in engine.step():
+            if output.request_id in shown:
+                shown[output.request_id] += output.text
+                assert final[output.request_id].startswith(shown[output.request_id])  # never taken back
+    for request in beams:
+        assert request.output_ids == expected[request.request_id], request.request_id
+        assert shown[request.request_id] == final[request.request_id]
+    for request in neighbours:  # beams sharing the steps leave greedy neighbours as they were
+        assert request.output_ids == reference(model, request.prompt_ids, 24)
+    assert engine.pool.reserved == 0 and all(n == 0 for n in engine.pool.refs)
+
+
+def test_a_beam_search_streams_in_several_steps_and_reports_its_ending(model):
+    engine = real_engine(model)
+    request = Request("b", chat(model, "Hi"), SamplingParams(max_tokens=32, beam_width=3))
+    engine.add(request)
+    outputs = run(engine)
+    assert len([o for o in outputs if o.text]) >= 2
+    assert outputs[-1].finish_reason == ("stop" if request.output_ids[-1] in model.stop_ids else "length")
+    assert outputs[-1].completion_tokens == len(request.output_ids)
 
 
 @pytest.mark.parametrize("chunk", [7, 64])

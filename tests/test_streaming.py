@@ -5,6 +5,7 @@ import httpx
 import pytest
 
 from billing.models import UsageEntry, hash_key
+from tests.reference import reference
 from tests.service import wait_for_entry
 from tests.sse import MODEL, auth, chat_body, content_of, events, stream_chat
 
@@ -95,6 +96,18 @@ def test_n_choices_stream_side_by_side_and_bill_the_prompt_once(live_service, ap
     assert entry.prompt_tokens == len(tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True))
     assert chunks[-1]["usage"]["completion_tokens"] == entry.completion_tokens == whole["usage"]["completion_tokens"]
     assert entry.completion_tokens <= 3 * 8
+
+
+def test_beam_search_streams_what_transformers_finds(live_service, api_key, model):
+    body = chat_body("Write a haiku about tea.", max_tokens=24, tokstream={"beam_width": 4})
+    streamed = stream_chat(live_service, api_key, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = [data for _, data in streamed[:-1]]
+    prompt = model.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True)
+    expected = reference(model, prompt, 24, num_beams=4)
+    assert content_of(chunks) == model.tokenizer.decode(expected, skip_special_tokens=True)
+    assert chunks[-1]["usage"]["completion_tokens"] == len(expected)
+    whole = httpx.post(f"{live_service.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=120).json()
+    assert whole["choices"][0]["message"]["content"] == content_of(chunks)
 
 
 def test_a_client_that_leaves_cancels_its_request(live_service, api_key):

@@ -14,6 +14,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+import torch
+
+from .beam import BeamSearch
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import BLOCK_SIZE, BlockPool, block_hashes
 from .logprobs import logprobs_of
@@ -56,6 +59,8 @@ class Request:
     group: str = ""  # the client's request id: cancel and steer reach every choice of it
     index: int = 0  # the choice this sequence is, for n > 1
     leader: "Request | None" = None  # starts once the leader's prompt is cached, to share it
+    beam: BeamSearch | None = None
+    beam_tables: list[list[int]] = field(default_factory=list)  # one block table per live beam
 
     def __post_init__(self):
         self.group = self.group or self.request_id
@@ -151,8 +156,7 @@ class Engine:
         scheduled = self._schedule()
         if scheduled:
             self.stats["steps"] += 1
-            logits = self.runner.forward([chunk for _, chunk in scheduled])
-            outputs += [self._after_forward(r, chunk, row) for (r, chunk), row in zip(scheduled, logits)]
+            outputs += self._after_step(scheduled, self.runner.forward([chunk for _, chunk in scheduled]))
         self._drop_finished()
         return [o for o in outputs if o and (o.text or o.finished or o.steered or o.logprobs or o.error)]
 
@@ -188,7 +192,7 @@ class Engine:
     def _inject(self, request, text):
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         blocks = math.ceil(len(ids) / self.pool.block_size) + 1  # +1: they may straddle a block
-        fits = ids and len(request.all_ids) + len(ids) < self.context_length
+        fits = ids and len(request.all_ids) + len(ids) < self.context_length and request.beam is None
         if not fits or not self.pool.reserve(blocks):
             return self._output(request, error=f"steering not applied: {text!r}")
         request.reserved += blocks
@@ -224,8 +228,12 @@ class Engine:
 
     def _worst_case(self, request):
         """Blocks for the prompt and every token it may produce: reserved up front, so a
-        running request never runs out of cache and nothing is ever truncated."""
-        return math.ceil((len(request.prompt_ids) + request.params.max_tokens) / self.pool.block_size)
+        running request never runs out of cache and nothing is ever truncated. Beams share
+        the prompt's full blocks and hold the rest each."""
+        prompt, width = len(request.prompt_ids), request.params.beam_width
+        blocks = math.ceil((prompt + request.params.max_tokens) / self.pool.block_size)
+        shared = prompt // self.pool.block_size if width > 1 else 0
+        return shared + max(width, 1) * (blocks - shared)
 
     def _reserve(self, request):
         """Reuse cached prefix blocks, then reserve the rest of the worst case."""
@@ -236,8 +244,10 @@ class Engine:
             self.pool.release(cached)
             return False
         # Take the whole worst case now: in one go, its blocks are neighbours in memory.
-        request.blocks = cached + [self.pool.allocate() for _ in range(worst - len(cached))]
-        request.reserved = 0
+        # Beams fork as they go: they take the prompt's blocks and keep the rest reserved.
+        now = math.ceil(len(prompt) / self.pool.block_size) if request.params.beam_width > 1 else worst
+        request.blocks = cached + [self.pool.allocate() for _ in range(now - len(cached))]
+        request.reserved = worst - now
         request.computed = request.cached_tokens = request.prefilled = len(cached) * self.pool.block_size
         self.stats["cached_prompt_tokens"] += request.cached_tokens
         return True
@@ -249,13 +259,18 @@ class Engine:
         request.generated = [False] * len(request.prompt_ids)
         request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.params.stop)
         request.generator = make_generator(request.params.seed, self.runner.device)
+        if request.params.beam_width > 1:
+            room = min(request.params.max_tokens, self.context_length - len(request.prompt_ids))
+            stops = self.stop_ids | set(request.params.stop_token_ids)
+            request.beam = BeamSearch(request.params.beam_width, room, stops)
         self.running.append(request)
 
     def _schedule(self):
-        decoding = [r for r in self.running if r.pending() == 1]
-        prefilling = [r for r in self.running if r.pending() > 1]
-        scheduled = [(r, self._chunk(r, 1)) for r in decoding]
-        budget = max(self.step_tokens - len(decoding), MIN_PREFILL_TOKENS) if decoding else self.idle_chunk
+        beaming = [r for r in self.running if r.beam_tables]
+        decoding = [r for r in self.running if not r.beam_tables and r.pending() == 1]
+        prefilling = [r for r in self.running if not r.beam_tables and r.pending() > 1]
+        scheduled = [(r, self._chunk(r, 1)) for r in decoding] + [pair for r in beaming for pair in self._beam_chunks(r)]
+        budget = max(self.step_tokens - len(scheduled), MIN_PREFILL_TOKENS) if scheduled else self.idle_chunk
         for request in prefilling:
             if budget <= 0:
                 break
@@ -266,10 +281,31 @@ class Engine:
 
     def _chunk(self, request, size):
         start = request.computed
-        while len(request.blocks) * self.pool.block_size < start + size:
-            request.blocks.append(self.pool.allocate())
-            request.reserved -= 1
+        self._grow(request, request.blocks, start + size)
         return Chunk(request.all_ids[start : start + size], start, request.blocks, request.request_id)
+
+    def _grow(self, request, table, end):
+        """Blocks from the request's reservation until the table covers `end` tokens."""
+        while len(table) * self.pool.block_size < end:
+            table.append(self.pool.allocate())
+            request.reserved -= 1
+
+    def _beam_chunks(self, request):
+        """Each live beam's newest token, whose KV this step computes."""
+        start = len(request.prompt_ids) + len(request.beam.running[0]) - 1
+        for table in request.beam_tables:
+            self._grow(request, table, start + 1)
+        return [(request, Chunk([tokens[-1]], start, table, request.request_id)) for tokens, table in zip(request.beam.running, request.beam_tables)]
+
+    def _after_step(self, scheduled, logits):
+        """One output per sequence; a beam search's rows go together to its next beam step."""
+        outputs, beams = [], {}
+        for (request, chunk), row in zip(scheduled, logits):
+            if request.beam_tables:
+                beams.setdefault(request.request_id, (request, []))[1].append(row)
+            else:
+                outputs.append(self._after_forward(request, chunk, row))
+        return outputs + [self._beam_step(request, torch.stack(rows)) for request, rows in beams.values()]
 
     def _after_forward(self, request, chunk, logits):
         end = chunk.start + len(chunk.token_ids)
@@ -281,6 +317,9 @@ class Engine:
             return None  # more of the prompt to go
         if not request.output_ids:
             self._register_computed(request)  # the prompt is in: later requests may share it
+        if request.beam is not None:  # the prompt is the one parent of the first beams
+            request.beam_tables, request.blocks = [request.blocks], []
+            return self._beam_step(request, logits[None])
         try:
             return self._next_token(request, logits)
         except Exception as exc:  # one request's failure ends that request, not its neighbours
@@ -312,6 +351,62 @@ class Engine:
             return self._finish(request, "length", text)
         return self._output(request, text)
 
+    def _beam_step(self, request, logits):
+        try:
+            self._fork(request, request.beam.advance(logits))
+        except Exception as exc:
+            log.exception("request %s failed", request.request_id)
+            return self._finish(request, "error", error=f"generation failed: {exc}")
+        tokens = request.beam.best() if request.beam.done else request.beam.agreed()
+        text = self._release_tokens(request, tokens)
+        if request.beam.done:
+            ended = tokens and self._is_stop_token(request, tokens[-1])
+            return self._finish(request, "stop" if ended else "length", text)
+        return self._output(request, text)
+
+    def _fork(self, request, parents):
+        """Each new beam takes its parent's block table: full blocks shared, and the last,
+        partial one copied for every child of a parent but the first (copy on write)."""
+        old, tables = request.beam_tables, [list(request.beam_tables[p]) for p in parents]
+        for table in tables:
+            self.pool.share(table)
+        for table in old:
+            self.pool.release(table)
+        request.beam_tables = tables
+        self._settle_reservation(request)
+        computed = len(request.prompt_ids) + len(request.beam.running[0]) - 1 if tables else 0
+        if computed % self.pool.block_size:
+            last, taken = computed // self.pool.block_size, set()
+            for table in tables:
+                if table[last] in taken:
+                    table[last] = self._copy_block(request, table[last])
+                taken.add(table[last])
+
+    def _settle_reservation(self, request):
+        """Reserve again what the beams just gave back, so the worst case stays covered."""
+        held = len({block for table in request.beam_tables for block in table})
+        missing = self._worst_case(request) - held - request.reserved
+        if missing > 0 and not self.pool.reserve(missing):
+            raise RuntimeError("a beam's reservation was not honoured")
+        if missing < 0:
+            self.pool.unreserve(-missing)
+        request.reserved += missing
+
+    def _copy_block(self, request, source):
+        target = self.pool.allocate()
+        request.reserved -= 1
+        self.pool.copy(source, target)
+        self.pool.release([source])
+        return target
+
+    def _release_tokens(self, request, tokens):
+        """Stream the tokens agreed on since the last step (a prefix no beam will take back)."""
+        new = tokens[len(request.output_ids) :]
+        request.output_ids = list(tokens)
+        if new and request.first_token_at is None:
+            request.first_token_at = self.clock()
+        return "".join(request.detokenizer.add(t) for t in new if not self._is_stop_token(request, t))
+
     def _out_of_room(self, request):
         return len(request.output_ids) >= request.params.max_tokens or len(request.all_ids) >= self.context_length
 
@@ -337,6 +432,7 @@ class Engine:
     def _free(self, request):
         """Give the blocks back, keeping the full computed ones for later prompts."""
         self._register_computed(request)
-        self.pool.release(request.blocks)
+        for table in (request.blocks, *request.beam_tables):
+            self.pool.release(table)
         self.pool.unreserve(request.reserved)
-        request.blocks, request.reserved = [], 0
+        request.blocks, request.beam_tables, request.reserved = [], [], 0

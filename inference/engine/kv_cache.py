@@ -103,6 +103,17 @@ class BlockPool:
             self.hash_of[block] = digest
             self.idle_cached += self.refs[block] == 0
 
+    def share(self, blocks):
+        """Another holder of blocks already held: a beam forked from its parent."""
+        for block in blocks:
+            self.refs[block] += 1
+
+    def copy(self, source, target):
+        """Copy one block's keys and values, every layer (copy on write for a forked beam)."""
+        size = self.block_size
+        for cache in (self.k, self.v):
+            cache[:, target * size : (target + 1) * size] = cache[:, source * size : (source + 1) * size]
+
     def release(self, blocks):
         for block in blocks:
             self.refs[block] -= 1

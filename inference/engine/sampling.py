@@ -24,6 +24,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: bool = False
     top_logprobs: int = 0
+    beam_width: int = 1  # above 1: beam search (deterministic; the sampling knobs do not apply)
 
     def __post_init__(self):
         # JSON (a Celery message, say) turns integer keys into strings.
