@@ -173,7 +173,7 @@ def main():
     args = parser.parse_args()
     if args.memory:
         return report_memory()
-    lm = loader.load(MODEL, ROOT / ".cache" / "models" / MODEL)
+    lm = loader.load(MODEL, ROOT / ".cache" / "models" / MODEL, loader.pick_devices()[0])
     print(f"torch threads {torch.get_num_threads()}, device {lm.device}, {args.tokens} tokens per request")
     batch32 = prompts(lm.tokenizer, 32)
     bare_loop(lm, 1, 4, 16)  # warm up
@@ -202,7 +202,7 @@ def main():
 
 
 def report_memory():
-    lm = loader.load(MODEL, ROOT / ".cache" / "models" / MODEL)
+    lm = loader.load(MODEL, ROOT / ".cache" / "models" / MODEL, loader.pick_devices()[0])
     model_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
     peak, kv = memory_with_long_sequences(lm)
     budget = model_bytes + kv + 500 * 2**20

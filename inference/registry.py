@@ -41,5 +41,10 @@ def warm_tokenizers():
             pass  # not prepared yet: the request will get a clear error
 
 
-def load(name):
-    return loader.load(name, folder(name), settings.TOKSTREAM_DEVICE, settings.TOKSTREAM_DTYPE)
+def devices():
+    return loader.pick_devices(settings.TOKSTREAM_DEVICE)
+
+
+def load(name, device=None):
+    """The model on `device` (by default the first of TOKSTREAM_DEVICE's)."""
+    return loader.load(name, folder(name), device or devices()[0], settings.TOKSTREAM_DTYPE)

@@ -1,4 +1,4 @@
-"""One engine per model per worker process, each driven by its own thread.
+"""One engine per model and device per worker process, each driven by its own thread.
 
 Celery tasks submit requests and read their outputs from a queue; the thread steps the engine
 whenever there is work, checks the cancel flags in Redis once per step, and keeps a heartbeat
@@ -24,7 +24,7 @@ _loops_lock = threading.Lock()
 
 class EngineLoop(threading.Thread):
     def __init__(self, model, engine, redis_client):
-        super().__init__(daemon=True, name=f"engine-{model.name}")
+        super().__init__(daemon=True, name=f"engine-{model.name}-{model.device}")
         self.model = model
         self.engine = engine
         self.redis = redis_client
@@ -32,6 +32,15 @@ class EngineLoop(threading.Thread):
         self.last_beat = 0.0
         self.outboxes = {}
         self.wake = threading.Event()
+        self.stopping = threading.Event()
+
+    def load(self):
+        """Sequences submitted here and not finished: the least loaded engine takes the next."""
+        return len(self.outboxes)
+
+    def stop(self):
+        self.stopping.set()
+        self.wake.set()
 
     def submit(self, *requests):
         """Queue the choices of one request; their outputs arrive in one outbox, in order."""
@@ -43,7 +52,7 @@ class EngineLoop(threading.Thread):
         return outbox
 
     def run(self):
-        while True:
+        while not self.stopping.is_set():
             try:
                 self.run_once()
             except Exception:  # Redis went away, say: the loop must outlive it
@@ -103,17 +112,21 @@ def warm_up(engine):
         engine.step()
 
 
-def start_loop(name):
-    lm = registry.load(name)
-    loop = EngineLoop(lm, build_engine(lm), streamlog.sync_client())
-    loop.start()
-    log.info("model %s loaded on %s", name, lm.device)
-    return loop
+def start_loops(name):
+    """One engine per device (every GPU, with TOKSTREAM_DEVICE=auto): a model small enough
+    for one GPU serves from all of them."""
+    loops = []
+    for device in registry.devices():
+        lm = registry.load(name, device)
+        loops.append(EngineLoop(lm, build_engine(lm), streamlog.sync_client()))
+        loops[-1].start()
+        log.info("model %s loaded on %s", name, lm.device)
+    return loops
 
 
 def engine_loop(name):
-    """The running loop for a model, started on first use (or at worker start-up)."""
+    """The least loaded of the model's engines, started on first use (or at worker start-up)."""
     with _loops_lock:
         if name not in _loops:
-            _loops[name] = start_loop(name)
-        return _loops[name]
+            _loops[name] = start_loops(name)
+        return min(_loops[name], key=EngineLoop.load)

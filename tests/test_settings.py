@@ -30,6 +30,7 @@ def start_with(**env):
         ("TOKSTREAM_MODELS", '{"m": "/models/m"}'),
         ("TOKSTREAM_DTYPE", "float8"),
         ("TOKSTREAM_DEVICE", "gpu0"),
+        ("TOKSTREAM_DEVICE", "cuda:0,,cuda:1"),
         ("LOG_LEVEL", "LOUD"),
     ],
 )

@@ -119,8 +119,8 @@ if not isinstance(TOKSTREAM_MODELS, dict) or not all(
     raise ImproperlyConfigured('TOKSTREAM_MODELS must map names to {"source": "..."} objects')
 TOKSTREAM_MODEL_CACHE = Path(env_str("TOKSTREAM_MODEL_CACHE", str(CACHE_DIR / "models")))
 TOKSTREAM_DEVICE = env_str("TOKSTREAM_DEVICE", "auto")
-if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", TOKSTREAM_DEVICE):
-    raise ImproperlyConfigured(f"TOKSTREAM_DEVICE={TOKSTREAM_DEVICE!r} must be auto, cpu, mps, cuda or cuda:N")
+if not re.fullmatch(r"auto|(cpu|mps|cuda(:\d+)?)(,(cpu|mps|cuda(:\d+)?))*", TOKSTREAM_DEVICE):
+    raise ImproperlyConfigured(f"TOKSTREAM_DEVICE={TOKSTREAM_DEVICE!r} must be auto, or cpu, mps, cuda, cuda:N or a comma-separated list of them")
 TOKSTREAM_DTYPE = env_choice("TOKSTREAM_DTYPE", "auto", ["auto", "float32", "bfloat16", "float16"])
 TOKSTREAM_MAX_RUNNING = env_int("TOKSTREAM_MAX_RUNNING", 8, minimum=1)
 TOKSTREAM_KV_CACHE_TOKENS = env_int("TOKSTREAM_KV_CACHE_TOKENS", 32768, minimum=256)

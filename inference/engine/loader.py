@@ -24,10 +24,13 @@ class LoadedModel:
     tokenizer_id: str
 
 
-def pick_device(setting="auto"):
+def pick_devices(setting="auto"):
+    """The devices to run engines on, one engine each: `auto` is every CUDA GPU (else the
+    CPU); otherwise a comma-separated list such as `cuda:0,cuda:1`."""
     if setting != "auto":
-        return torch.device(setting)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return [torch.device(name.strip()) for name in setting.split(",")]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [torch.device(f"cuda:{i}") for i in range(gpus)] or [torch.device("cpu")]
 
 
 def pick_dtype(device, setting="auto"):
@@ -139,10 +142,10 @@ def load_tokenizer(folder):
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
-def load(name, folder, device="auto", dtype="auto"):
+def load(name, folder, device, dtype="auto"):
     from transformers import AutoModelForCausalLM
 
-    device = pick_device(device)
+    device = torch.device(device)
     tokenizer = load_tokenizer(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=pick_dtype(device, dtype))
     model.to(device).eval()

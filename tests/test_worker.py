@@ -1,0 +1,36 @@
+"""The worker's engines: one per device, each on its own thread, fed by Celery tasks."""
+
+import pytest
+
+from inference import worker
+from inference.engine import Request, SamplingParams
+from tests.reference import reference
+from tests.sse import MODEL
+
+
+@pytest.fixture
+def two_cpu_engines(settings, monkeypatch, redis_client):
+    settings.TOKSTREAM_DEVICE = "cpu,cpu"  # as two GPUs would be: one engine each
+    settings.TOKSTREAM_REDIS_PREFIX += ":two-engines"  # their heartbeats stay out of the service's
+    monkeypatch.setattr(worker, "_loops", {})
+    yield
+    for loop in worker._loops.get(MODEL, []):
+        loop.stop()
+        loop.join(timeout=30)
+
+
+def test_each_device_gets_an_engine_and_requests_go_to_the_least_loaded(two_cpu_engines, model):
+    prompts = [model.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in ("Hi", "Name a tree.", "Name a bird.")]
+    submitted = []
+    for n, prompt in enumerate(prompts):
+        loop = worker.engine_loop(MODEL)
+        request = Request(f"r{n}", prompt, SamplingParams(max_tokens=8, temperature=0))
+        submitted.append((loop, request, loop.submit(request)))
+    loops = worker._loops[MODEL]
+    assert len(loops) == 2 and loops[0].model.model is not loops[1].model.model
+    assert submitted[0][0] is not submitted[1][0]  # the second went to the idle engine
+    for loop, request, outbox in submitted:
+        while not outbox.get(timeout=60).finished:
+            pass
+        assert request.output_ids == reference(model, request.prompt_ids, 8)
+    assert all(loop.load() == 0 for loop in loops)
