@@ -33,3 +33,10 @@ def test_any_integer_is_a_seed():
 def test_a_tiny_temperature_is_greedy_not_a_crash():
     logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
     assert sample(logits, SamplingParams(temperature=1e-40)) == 1
+
+
+def test_the_repetition_penalty_covers_every_token_seen_not_only_the_output():
+    logits = torch.tensor([0.0, 2.0, 1.5, 0.0])
+    params = SamplingParams(temperature=0, repetition_penalty=2.0)
+    assert sample(logits, params, seen_ids=[], output_ids=[]) == 1
+    assert sample(logits, params, seen_ids=[1], output_ids=[]) == 2  # a prompt or steering token

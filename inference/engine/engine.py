@@ -327,7 +327,7 @@ class Engine:
             return self._finish(request, "error", error=f"generation failed: {exc}")
 
     def _next_token(self, request, logits):
-        token = sample(logits, request.params, request.generator, request.prompt_ids, request.output_ids)
+        token = sample(logits, request.params, request.generator, request.all_ids, request.output_ids)
         request.output_ids.append(token)
         request.all_ids.append(token)
         request.generated.append(True)

@@ -39,14 +39,14 @@ def make_generator(seed, device):
     return generator
 
 
-def apply_penalties(logits, params, prompt_ids, output_ids):
+def apply_penalties(logits, params, seen_ids, output_ids):
     """OpenAI's presence/frequency penalties on generated tokens; the repetition penalty (as in
-    transformers and vLLM) on every token seen, prompt included."""
+    transformers and vLLM) on every token seen: prompt, steering and output."""
     if (params.presence_penalty or params.frequency_penalty) and output_ids:
         counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=logits.shape[-1])
         logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted({*prompt_ids, *output_ids}), device=logits.device)
+        seen = torch.tensor(sorted({*seen_ids, *output_ids}), dtype=torch.long, device=logits.device)
         scores = logits[seen]
         logits = logits.clone()
         logits[seen] = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
@@ -86,9 +86,9 @@ def min_p_filter(logits, min_p):
     return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
 
 
-def sample(logits, params, generator=None, prompt_ids=(), output_ids=()):
+def sample(logits, params, generator=None, seen_ids=(), output_ids=()):
     """logits: [V] for one sequence -> the next token id."""
-    logits = apply_penalties(logits.float(), params, prompt_ids, output_ids)
+    logits = apply_penalties(logits.float(), params, seen_ids, output_ids)
     logits = apply_logit_bias(logits, params.logit_bias)
     if params.temperature < MIN_TEMPERATURE:
         return int(torch.argmax(logits))
