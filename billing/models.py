@@ -19,6 +19,10 @@ class ApiKey(models.Model):
     user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(auto_now_add=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True, help_text="Empty: no limit.")
+    tokens_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Prompt plus max_tokens of each request admitted; empty: no limit."
+    )
 
     def __str__(self):
         return f"{self.name} ({self.prefix}…)"

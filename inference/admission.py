@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
-from . import registry, streamlog
+from . import limits, registry, streamlog
 from .chat_request import checked_max_tokens
 from .engine.kv_cache import BLOCK_SIZE
 from .errors import ApiError, not_found
@@ -16,6 +16,12 @@ from .errors import ApiError, not_found
 class Owner:
     api_key_id: int | None = None
     user_id: int | None = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+    @classmethod
+    def of_key(cls, key):
+        return cls(key.pk, key.user_id, key.requests_per_minute, key.tokens_per_minute)
 
     @property
     def label(self):
@@ -28,9 +34,21 @@ class Admitted:
     model: str
     created: int
     prompt_tokens: int
+    n: int = 1
+    received_at: float = 0.0
 
     def meta(self, owner):
-        return {"owner": owner.label, "model": self.model, "created": self.created, "prompt_tokens": self.prompt_tokens}
+        """What the web processes keep of a request, enough to bill it should its worker die."""
+        return {
+            "owner": owner.label,
+            "api_key_id": owner.api_key_id or "",
+            "user_id": owner.user_id or "",
+            "model": self.model,
+            "created": self.created,
+            "prompt_tokens": self.prompt_tokens,
+            "n": self.n,
+            "received_at": self.received_at,
+        }
 
     @classmethod
     def from_meta(cls, request_id, meta):
@@ -70,8 +88,12 @@ def admit(chat, owner):
     max_tokens = checked_max_tokens(chat, len(ids), room, settings.TOKSTREAM_DEFAULT_MAX_TOKENS)
     client = streamlog.sync_client()
     check_served(client, chat.model)
-    admitted = Admitted(f"chatcmpl-{uuid.uuid4().hex}", chat.model, int(time.time()), len(ids))
+    limits.check_rate(client, owner, len(ids) + max_tokens * chat.n)
+    admitted = Admitted(f"chatcmpl-{uuid.uuid4().hex}", chat.model, int(time.time()), len(ids), chat.n, received_at)
+    position = limits.join_queue(client, chat.model, admitted.request_id)
     streamlog.save_meta(client, admitted.request_id, admitted.meta(owner))
+    # The stream opens as OpenAI's does, with the role, and says where the request waits.
+    streamlog.append(client, admitted.request_id, {"t": "open", "n": chat.n, "queue_position": position})
     params = {"max_tokens": max_tokens, **chat.sampling}
     task = {
         "request_id": admitted.request_id,
@@ -85,7 +107,8 @@ def admit(chat, owner):
     }
     try:
         generate.apply_async(kwargs=task, queue="inference")
-    except Exception:
-        client.delete(streamlog.key(admitted.request_id, "meta"))  # leave nothing half-made
+    except Exception:  # leave nothing half-made
+        client.delete(streamlog.key(admitted.request_id, "meta"), streamlog.key(admitted.request_id, "log"))
+        limits.leave_queue(client, chat.model, admitted.request_id)
         raise
     return admitted

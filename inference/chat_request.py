@@ -31,6 +31,7 @@ class ChatRequest:
     continuous_usage: bool = False
     max_tokens: int | None = None
     n: int = 1
+    detach: bool = False  # keep running when the client of the POST leaves, for a later resume
     sampling: dict = field(default_factory=dict)  # the engine's SamplingParams, but max_tokens
 
 
@@ -53,6 +54,7 @@ def parse(body, content_type):
         continuous_usage=stream_option(data, "continuous_usage_stats"),
         max_tokens=max_tokens_of(data),
         n=n_of(data),
+        detach=boolean(extension_of(data), "detach_on_disconnect", False, param="tokstream.detach_on_disconnect"),
         sampling=sampling_of(data),
     )
     check_beam_search(chat)
@@ -82,7 +84,7 @@ def extension_of(data):
     options = data.get("tokstream") or {}
     if not isinstance(options, dict):
         raise invalid("`tokstream` must be an object.", param="tokstream")
-    unknown = sorted(set(options) - {"beam_width"})
+    unknown = sorted(set(options) - {"beam_width", "detach_on_disconnect"})
     if unknown:
         raise invalid(f"`tokstream.{unknown[0]}` is not an option of this server.", param=f"tokstream.{unknown[0]}")
     return options
@@ -182,12 +184,12 @@ def n_of(data):
     return value
 
 
-def boolean(data, name, default):
+def boolean(data, name, default, param=None):
     value = data.get(name, default)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise invalid(f"`{name}` must be a boolean.", param=name)
+        raise invalid(f"`{param or name}` must be a boolean.", param=param or name)
     return value
 
 

@@ -23,8 +23,12 @@ class ChunkWriter:
         self.roles_sent = set()
 
     def chunks(self, entry):
+        if entry["t"] == "open":
+            return [self.open_chunk(entry)]
         if entry["t"] == "delta":
             return [self.delta_chunk(entry)]
+        if entry["t"] == "steer":
+            return [self.steer_chunk(entry)]
         return self.end_chunks(entry)
 
     def opening(self, index):
@@ -33,6 +37,14 @@ class ChunkWriter:
             return {}
         self.roles_sent.add(index)
         return {"role": "assistant"}
+
+    def open_chunk(self, entry):
+        """The role of every choice, with our extension: the request's place in the queue."""
+        choices = [{"index": i, "delta": {**self.opening(i), "content": ""}, "logprobs": None, "finish_reason": None} for i in range(entry["n"])]
+        chunk = {**self.chunk(choices), "tokstream": {"queue_position": entry["queue_position"]}}
+        if self.continuous_usage:
+            chunk["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": 0, "total_tokens": self.prompt_tokens}
+        return chunk
 
     def delta_chunk(self, entry):
         index = entry.get("i", 0)
@@ -47,9 +59,18 @@ class ChunkWriter:
             }
         return chunk
 
+    def steer_chunk(self, entry):
+        """Our extension: where steering took effect, on an otherwise empty delta so that a
+        client that reads only `choices[0].delta` sees nothing unusual."""
+        self.prompt_tokens = entry["prompt_tokens"]
+        index = entry.get("i", 0)
+        mark = {"steered": entry["text"], **({"error": entry["error"]} if "error" in entry else {})}
+        chunk = self.chunk([{"index": index, "delta": {**self.opening(index), "content": ""}, "logprobs": None, "finish_reason": None}])
+        return {**chunk, "tokstream": mark}
+
     def end_chunks(self, entry):
         if "error" in entry:
-            chunks = [ApiError(500, entry["error"], type="server_error").body()]
+            chunks = [ApiError(500, entry["error"], type="server_error", code=entry.get("code")).body()]
         else:
             chunks = [self.finish_chunk(index, reason) for index, reason in enumerate(entry["finish_reasons"])]
         # The usage chunk keeps its place (None) when not asked for, so event ids stay the same
@@ -82,11 +103,6 @@ def sse_frames(entry_id, payloads, done=False, skip=0):
     return "".join(f"id: {i}\ndata: {d}\n\n" for i, d in list(zip(ids, data))[skip:] if d).encode()
 
 
-def error_frames(exc):
-    """An error the log never saw (no id, so a resume does not skip past it), then the end."""
-    return f"data: {json.dumps(exc.body())}\n\ndata: [DONE]\n\n".encode()
-
-
 def resume_point(last_event_id):
     """Last-Event-ID -> (the log id to read after, how many events of the next entry were seen)."""
     entry_id, _, seen = last_event_id.partition(".")
@@ -100,7 +116,8 @@ def resume_point(last_event_id):
 def completion(admitted, deltas, end):
     """The non-streamed answer, from the delta entries and the end entry."""
     if "error" in end:
-        raise ApiError(500, end["error"], type="server_error")
+        status = 503 if end.get("code") == "worker_unavailable" else 500
+        raise ApiError(status, end["error"], type="server_error", code=end.get("code"))
     return {
         "id": admitted.request_id,
         "object": "chat.completion",

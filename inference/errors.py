@@ -2,13 +2,14 @@
 
 
 class ApiError(Exception):
-    def __init__(self, status, message, type="invalid_request_error", param=None, code=None):
+    def __init__(self, status, message, type="invalid_request_error", param=None, code=None, headers=None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers or {}  # Retry-After, say
 
     def body(self):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -28,3 +29,7 @@ def too_large(limit):
 
 def not_found(message, code=None, param=None):
     return ApiError(404, message, param=param, code=code)
+
+
+def too_many(message, retry_after, type, code):
+    return ApiError(429, message, type=type, code=code, headers={"Retry-After": str(max(1, int(retry_after)))})

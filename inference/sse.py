@@ -16,9 +16,9 @@ from django.conf import settings
 
 from billing.models import ApiKey
 
-from . import chat_request, streamlog
+from . import chat_request, reaper, streamlog
 from .admission import Admitted, Owner, admit, owned_meta
-from .chunks import EVENT_ID, ChunkWriter, completion, error_frames, resume_point, sse_frames
+from .chunks import EVENT_ID, ChunkWriter, completion, resume_point, sse_frames
 from .errors import ApiError, invalid, too_large, unauthorized
 
 log = logging.getLogger(__name__)
@@ -26,10 +26,6 @@ log = logging.getLogger(__name__)
 
 class ClientGone(Exception):
     pass
-
-
-class WorkerGone(Exception):
-    """No live worker serves the request's model: waiting longer would hang the client."""
 
 
 SSE_HEADERS = [
@@ -53,7 +49,8 @@ async def send_json(send, status, payload, headers=()):
 
 
 async def send_error(send, exc):
-    await send_json(send, exc.status, exc.body())
+    headers = [(name.lower().encode(), value.encode()) for name, value in exc.headers.items()]
+    await send_json(send, exc.status, exc.body(), headers)
 
 
 async def send_empty(send, status):
@@ -79,7 +76,7 @@ async def read_body(scope, receive):
 
 async def bearer_owner(scope):
     key = await database_sync_to_async(ApiKey.from_authorization)(header(scope, b"authorization"))
-    return Owner(api_key_id=key.pk, user_id=key.user_id) if key else None
+    return Owner.of_key(key) if key else None
 
 
 async def session_owner(scope):
@@ -109,18 +106,20 @@ async def until_disconnect(receive, work):
 async def entries(client, admitted, last_id, on_idle=None):
     """Yield (id, entry) from the log after last_id until the end entry, live.
 
-    Raises WorkerGone after two idle intervals in a row without a live worker for the model
-    (one could be a worker restarting, or busy with a long prefill).
+    While the log is idle, check that someone will write it: the worker that claimed the
+    request must be beating; an unclaimed request needs a live worker for its model two idle
+    intervals in a row (one could be a worker restarting). Otherwise the request is ended here
+    (inference.reaper), and the end entry that writes is read like any other.
     """
     block_ms = settings.TOKSTREAM_KEEPALIVE_SECONDS * 1000
     orphaned = 0
     while True:
         batch = await streamlog.read_after(client, admitted.request_id, last_id, block_ms)
         if not batch:
-            orphaned = 0 if await model_served(client, admitted.model) else orphaned + 1
-            if orphaned == 2:
-                raise WorkerGone(f"No worker is serving `{admitted.model}`; the request was abandoned.")
-            if on_idle:
+            orphaned = await orphan_count(client, admitted, orphaned)
+            if orphaned >= 2:
+                await database_sync_to_async(reaper.end_abandoned)(admitted.request_id, abandoned_message(admitted))
+            elif on_idle:
                 await on_idle()
         for last_id, entry in batch:
             yield last_id, entry
@@ -128,12 +127,17 @@ async def entries(client, admitted, last_id, on_idle=None):
                 return
 
 
-async def model_served(client, model):
-    return model in streamlog.served_models(await streamlog.workers(client))
+async def orphan_count(client, admitted, orphaned):
+    """0 while the request has a live worker; a dead claimed worker counts double."""
+    beats = await streamlog.workers(client)
+    worker = await client.hget(streamlog.key(admitted.request_id, "meta"), "worker")
+    if worker:
+        return 0 if streamlog.beating(beats, worker, admitted.model) else 2
+    return 0 if admitted.model in streamlog.served_models(beats) else orphaned + 1
 
 
-def worker_gone_error(exc):
-    return ApiError(503, str(exc), type="server_error", code="worker_unavailable")
+def abandoned_message(admitted):
+    return f"The worker serving `{admitted.model}` stopped answering; the request was abandoned."
 
 
 async def relay_sse(send, client, writer, admitted, last_event_id=""):
@@ -143,14 +147,12 @@ async def relay_sse(send, client, writer, admitted, last_event_id=""):
     last_id, skip = resume_point(last_event_id) if last_event_id else ("0-0", 0)
     headers = [*SSE_HEADERS, (b"x-request-id", admitted.request_id.encode())]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await body(b"retry: 3000\n\n")
-    try:
-        async for entry_id, entry in entries(client, admitted, last_id, on_idle=lambda: body(b": keep-alive\n\n")):
-            await body(sse_frames(entry_id, writer.chunks(entry), done=entry["t"] == "end", skip=skip))
-            skip = 0
-    except WorkerGone as exc:
-        await streamlog.cancel(client, admitted.request_id)
-        await body(error_frames(worker_gone_error(exc)))
+    # The reconnection hint rides on the first event: alone, the openai SDK would read it as
+    # an event without data.
+    retry = b"retry: 3000\n"
+    async for entry_id, entry in entries(client, admitted, last_id, on_idle=lambda: body(b": keep-alive\n\n")):
+        await body(retry + sse_frames(entry_id, writer.chunks(entry), done=entry["t"] == "end", skip=skip))
+        retry, skip = b"", 0
     await send({"type": "http.response.body", "body": b""})
 
 
@@ -161,9 +163,6 @@ async def respond_whole(send, client, admitted):
             if entry["t"] == "delta":
                 deltas.append(entry)
         await send_json(send, 200, completion(admitted, deltas, entry))
-    except WorkerGone as exc:
-        await streamlog.cancel(client, admitted.request_id)
-        await send_error(send, worker_gone_error(exc))
     except ApiError as exc:
         await send_error(send, exc)
 
@@ -188,7 +187,7 @@ class ChatCompletions:
         else:
             work = respond_whole(send, client, admitted)
         # Counted as a reader, so a resume elsewhere that ends does not cancel this stream.
-        if await follow(receive, work, client, admitted.request_id) is not None:
+        if await follow(receive, work, client, admitted.request_id) is not None and not chat.detach:
             await streamlog.cancel(client, admitted.request_id)
 
     async def admit(self, scope, receive):

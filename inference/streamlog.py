@@ -63,6 +63,17 @@ def decode_entries(entries):
     return [(entry_id, json.loads(fields["e"])) for entry_id, fields in entries]
 
 
+def read_all(client, request_id):
+    """Every (id, entry) of the log (sync client)."""
+    return decode_entries(client.xrange(key(request_id, "log")))
+
+
+def has_ended(client, request_id):
+    """True once the request's end entry is in its log (sync client)."""
+    newest = decode_entries(client.xrevrange(key(request_id, "log"), count=1))
+    return bool(newest) and newest[0][1]["t"] == "end"
+
+
 async def last_entry(client, request_id):
     """The newest (id, entry) of the log, or None while it is empty."""
     newest = decode_entries(await client.xrevrange(key(request_id, "log"), count=1))
@@ -104,12 +115,27 @@ async def add_reader(client, request_id, delta):
         return (await pipe.execute())[0]
 
 
-def cancelled_among(client, request_ids):
-    """Which of these live requests were asked to stop: one round trip per engine step."""
+def steer(client, request_id, text):
+    queue = key(request_id, "steer")
+    with client.pipeline(transaction=True) as pipe:
+        pipe.rpush(queue, text)
+        pipe.expire(queue, settings.TOKSTREAM_LOG_TTL)
+        pipe.execute()
+
+
+def signals_among(client, request_ids):
+    """Which of these live requests were asked to stop, and the steering sent to each since
+    the last look: one round trip per engine step."""
     if not request_ids:
-        return set()
-    flags = client.mget([key(r, "cancel") for r in request_ids])
-    return {r for r, flag in zip(request_ids, flags) if flag}
+        return set(), {}
+    with client.pipeline(transaction=True) as pipe:
+        pipe.mget([key(r, "cancel") for r in request_ids])
+        for request_id in request_ids:
+            pipe.lrange(key(request_id, "steer"), 0, -1)
+            pipe.delete(key(request_id, "steer"))
+        flags, *steering = pipe.execute()
+    cancelled = {r for r, flag in zip(request_ids, flags) if flag}
+    return cancelled, {r: texts for r, texts in zip(request_ids, steering[::2]) if texts}
 
 
 def heartbeat(client, worker_id, model):
@@ -128,6 +154,11 @@ def heartbeat(client, worker_id, model):
 def workers(client):
     """The raw heartbeats (sync or asyncio client); read them with served_models()."""
     return client.hgetall(workers_key())
+
+
+def beating(beats, worker_id, model):
+    beat = beats.get(f"{worker_id}:{model}")
+    return beat is not None and json.loads(beat)["until"] >= time.time()
 
 
 def served_models(beats):

@@ -13,7 +13,7 @@ from celery import shared_task
 from billing import ledger
 from billing.models import UsageEntry
 
-from . import streamlog
+from . import limits, streamlog
 from .engine import SamplingParams, choices
 from .worker import engine_loop
 
@@ -30,6 +30,7 @@ def generate(request_id, model, prompt_ids, params, received_at, api_key_id=None
     tokenizer_id = ""
     try:
         loop = engine_loop(model)
+        limits.claim(client, request_id, model, loop.worker_id)
         tokenizer_id = loop.model.tokenizer_id
         relay(loop, requests, client)
     except Exception as exc:
@@ -52,14 +53,31 @@ def relay(loop, requests, client):
     try:
         while running:
             output = outbox.get()
-            if output.text or output.logprobs:
-                streamlog.append(client, requests[0].group, delta_entry(output))
+            for entry in log_entries(output, requests):
+                streamlog.append(client, requests[0].group, entry)
             running -= output.finished
     except Exception:
         # The log cannot take more: stop the engine too, and bill what it did up to then.
         loop.engine.cancel(requests[0].group)
         wait_until_finished(outbox, running)
         raise
+
+
+def log_entries(output, requests):
+    entries = [steer_entry(output, requests)] if output.steered else []
+    if output.text or output.logprobs:
+        entries.append(delta_entry(output))
+    return entries
+
+
+def steer_entry(output, requests):
+    """Where steering took effect (or why it did not), and the prompt tokens since."""
+    entry = {"t": "steer", "text": output.steered, "prompt_tokens": prompt_tokens(requests)}
+    if output.index:
+        entry["i"] = output.index
+    if output.error:
+        entry["error"] = output.error
+    return entry
 
 
 def delta_entry(output):

@@ -1,6 +1,7 @@
 """Plain Django views: the model list, health, the chat page and its session endpoints."""
 
 import functools
+import json
 
 from django.conf import settings
 from django.contrib.auth.decorators import login_required
@@ -8,17 +9,20 @@ from django.core.exceptions import RequestDataTooBig
 from django.db import connection
 from django.http import JsonResponse
 from django.shortcuts import render
+from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
 from billing.models import ApiKey
 
 from . import chat_request, registry, streamlog
 from .admission import Owner, admit, owned_meta
-from .errors import ApiError, too_large, unauthorized
+from .errors import ApiError, invalid, too_large, unauthorized
+
+MAX_STEER_CHARS = 8000
 
 
 def error_response(exc):
-    return JsonResponse(exc.body(), status=exc.status)
+    return JsonResponse(exc.body(), status=exc.status, headers=exc.headers)
 
 
 def api_key_required(view):
@@ -31,6 +35,24 @@ def api_key_required(view):
         return view(request, *args, **kwargs)
 
     return wrapper
+
+
+def api_post(view):
+    """POST with a bearer key, errors in the OpenAI shape. No CSRF: no cookie authenticates it."""
+
+    @functools.wraps(view)
+    def wrapper(request, *args, **kwargs):
+        try:
+            if request.method != "POST":
+                raise ApiError(405, "Use POST.", code="method_not_allowed")
+            key = ApiKey.from_authorization(request.headers.get("Authorization", ""))
+            if key is None:
+                raise unauthorized()
+            return view(request, Owner.of_key(key), *args, **kwargs)
+        except ApiError as exc:
+            return error_response(exc)
+
+    return csrf_exempt(wrapper)
 
 
 @require_GET
@@ -95,10 +117,46 @@ def chat_create(request):
 @login_required
 @require_POST
 def chat_cancel(request, request_id):
-    client = streamlog.sync_client()
     try:
-        owned_meta(streamlog.load_meta(client, request_id), Owner(user_id=request.user.pk), request_id)
+        return cancel(Owner(user_id=request.user.pk), request_id)
     except ApiError as exc:
         return error_response(exc)
-    streamlog.cancel(client, request_id)
-    return JsonResponse({"id": request_id, "cancelled": True})
+
+
+@api_post
+def api_cancel(request, owner, request_id):
+    return cancel(owner, request_id)
+
+
+@api_post
+def api_steer(request, owner, request_id):
+    return steer(owner, request_id, steering_text(request.body))
+
+
+def cancel(owner, request_id):
+    """Idempotent: cancelling a finished request says so and changes nothing."""
+    client = streamlog.sync_client()
+    owned_meta(streamlog.load_meta(client, request_id), owner, request_id)
+    ended = streamlog.has_ended(client, request_id)
+    if not ended:
+        streamlog.cancel(client, request_id)
+    return JsonResponse({"id": request_id, "object": "chat.completion.cancellation", "status": "finished" if ended else "cancelling"})
+
+
+def steer(owner, request_id, text):
+    client = streamlog.sync_client()
+    owned_meta(streamlog.load_meta(client, request_id), owner, request_id)
+    if streamlog.has_ended(client, request_id):
+        raise ApiError(409, f"Request {request_id!r} has finished: there is nothing left to steer.", code="request_finished")
+    streamlog.steer(client, request_id, text)
+    return JsonResponse({"id": request_id, "object": "chat.completion.steering", "status": "queued"}, status=202)
+
+
+def steering_text(body):
+    try:
+        content = json.loads(body).get("content")
+    except (ValueError, AttributeError):
+        raise invalid("The body must be a JSON object with `content`.") from None
+    if not isinstance(content, str) or not content.strip() or len(content) > MAX_STEER_CHARS:
+        raise invalid(f"`content` must be non-empty text of at most {MAX_STEER_CHARS} characters.", param="content")
+    return content

@@ -65,7 +65,7 @@ class EngineLoop(threading.Thread):
             self.wake.wait(timeout=settings.TOKSTREAM_WORKER_TTL / 3)
             self.wake.clear()
             return
-        self.apply_cancel_flags()
+        self.apply_signals()
         self.deliver(self.step())
 
     def heartbeat(self):
@@ -73,10 +73,14 @@ class EngineLoop(threading.Thread):
             streamlog.heartbeat(self.redis, self.worker_id, self.model.name)
             self.last_beat = time.monotonic()
 
-    def apply_cancel_flags(self):
+    def apply_signals(self):
         # Waiting requests too: one whose client left while it queued is never prefilled.
-        for request_id in streamlog.cancelled_among(self.redis, self.engine.live_ids()):
+        cancelled, steering = streamlog.signals_among(self.redis, self.engine.live_ids())
+        for request_id in cancelled:
             self.engine.cancel(request_id)
+        for request_id, texts in steering.items():
+            for text in texts:
+                self.engine.steer(request_id, text)
 
     def step(self):
         try:

@@ -23,11 +23,11 @@ def database_url(db):
 
 
 class LiveService:
-    def __init__(self, db_settings):
+    def __init__(self, db_settings, **env):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**os.environ, "DATABASE_URL": database_url(db_settings), "PYTHONUNBUFFERED": "1"}
-        self.logs = ROOT / ".cache" / "test-logs"
+        self.env = {**os.environ, "DATABASE_URL": database_url(db_settings), "PYTHONUNBUFFERED": "1", **env}
+        self.logs = ROOT / ".cache" / "test-logs" / str(self.port)
         self.children = []
 
     def start(self):

@@ -5,7 +5,7 @@ import json
 import httpx
 import pytest
 
-from billing.models import ApiKey
+from billing.models import ApiKey, UsageEntry
 from inference import streamlog
 from inference.admission import Admitted, Owner
 from tests.sse import auth, chat_body, content_of, events, stream_chat
@@ -77,6 +77,9 @@ def test_a_stream_whose_model_no_worker_serves_ends_with_an_error(live_service, 
     streamlog.save_meta(redis_client, orphan.request_id, orphan.meta(Owner(api_key_id=key.pk)))
     status, events = replay(live_service, api_key, orphan.request_id)
     assert status == 200
-    [(_, error), (_, done)] = events
+    [(_, error), (_, usage), (_, done)] = events
     assert error["error"]["code"] == "worker_unavailable" and done == "[DONE]"
+    assert usage["usage"]["completion_tokens"] == 0
     assert redis_client.get(streamlog.key(orphan.request_id, "cancel"))  # a late worker will not start it
+    entry = UsageEntry.objects.get(request_id=orphan.request_id)
+    assert entry.status == "failed" and entry.api_key == key and entry.prompt_tokens == 0

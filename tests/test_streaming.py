@@ -41,6 +41,16 @@ def test_chunks_follow_the_openai_stream_shape(live_service, api_key):
     assert ids == sorted(ids, key=event_order)
 
 
+def test_the_stream_opens_with_a_retry_hint_and_the_sse_headers(live_service, api_key):
+    body = chat_body("Hi", max_tokens=3, stream=True)
+    with httpx.stream("POST", f"{live_service.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=60) as response:
+        raw = response.read().decode()
+    assert raw.startswith("retry: 3000\nid: ")  # on the first event: the openai SDK chokes on a lone retry
+    assert response.headers["cache-control"] == "no-cache" and response.headers["x-accel-buffering"] == "no"
+    assert response.headers["x-request-id"].startswith("chatcmpl-") and response.headers["x-request-id"] in raw
+    assert raw.endswith("data: [DONE]\n\n")
+
+
 def event_order(event_id):
     entry, _, part = event_id.partition(".")
     ms, seq = entry.split("-")
@@ -84,7 +94,7 @@ def test_n_choices_stream_side_by_side_and_bill_the_prompt_once(live_service, ap
     body = chat_body("Name an animal.", temperature=1.0, seed=7, max_tokens=8, n=3)
     streamed = stream_chat(live_service, api_key, {**body, "stream": True, "stream_options": {"include_usage": True}})
     chunks = [data for _, data in streamed[:-1]]
-    by_choice = {i: [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i] for i in range(3)}
+    by_choice = {i: [choice for c in chunks for choice in c["choices"] if choice["index"] == i] for i in range(3)}
     for parts in by_choice.values():
         assert parts[0]["delta"]["role"] == "assistant" and all("role" not in p["delta"] for p in parts[1:])
         assert parts[-1]["finish_reason"] in ("stop", "length") and all(p["finish_reason"] is None for p in parts[:-1])

@@ -25,6 +25,8 @@ from .sampling import SamplingParams, make_generator, sample
 
 log = logging.getLogger(__name__)
 MIN_PREFILL_TOKENS = 16  # a step's prefill share however many decode: waiting prompts still advance
+# A bigger batch's step costs more, so it carries more prefill for the same relative slowdown.
+PREFILL_PER_DECODE = 2
 
 
 class RequestStatus(Enum):
@@ -194,7 +196,7 @@ class Engine:
         blocks = math.ceil(len(ids) / self.pool.block_size) + 1  # +1: they may straddle a block
         fits = ids and len(request.all_ids) + len(ids) < self.context_length and request.beam is None
         if not fits or not self.pool.reserve(blocks):
-            return self._output(request, error=f"steering not applied: {text!r}")
+            return self._output(request, steered=text, error="steering not applied: it does not fit the context or the KV cache, or the request uses beam search")
         request.reserved += blocks
         request.all_ids += ids
         request.generated += [False] * len(ids)
@@ -270,7 +272,8 @@ class Engine:
         decoding = [r for r in self.running if not r.beam_tables and r.pending() == 1]
         prefilling = [r for r in self.running if not r.beam_tables and r.pending() > 1]
         scheduled = [(r, self._chunk(r, 1)) for r in decoding] + [pair for r in beaming for pair in self._beam_chunks(r)]
-        budget = max(self.step_tokens - len(scheduled), MIN_PREFILL_TOKENS) if scheduled else self.idle_chunk
+        busy = len(scheduled)
+        budget = max(self.step_tokens - busy, MIN_PREFILL_TOKENS, PREFILL_PER_DECODE * busy) if busy else self.idle_chunk
         for request in prefilling:
             if budget <= 0:
                 break
