@@ -8,6 +8,7 @@ from .models import UsageEntry
 
 STATUS_OF_REASON = {
     "stop": UsageEntry.Status.COMPLETED,
+    "tool_calls": UsageEntry.Status.COMPLETED,
     "length": UsageEntry.Status.LENGTH,
     "cancelled": UsageEntry.Status.CANCELLED,
     "error": UsageEntry.Status.FAILED,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
-from . import limits, registry, streamlog
+from . import limits, registry, streamlog, tools
 from .chat_request import checked_max_tokens
 from .engine.kv_cache import BLOCK_SIZE
 from .errors import ApiError, not_found
@@ -72,7 +72,8 @@ def prompt_ids(chat):
         tokenizer = registry.tokenizer(chat.model)
     except FileNotFoundError as exc:
         raise ApiError(503, f"The model `{chat.model}` is not available: {exc}", type="server_error") from None
-    return list(tokenizer.apply_chat_template(chat.messages, add_generation_prompt=True, tokenize=True))
+    turns = tools.render(chat.messages, chat.tools)
+    return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True))
 
 
 def admit(chat, owner):
@@ -101,6 +102,7 @@ def admit(chat, owner):
         "prompt_ids": ids,
         "params": params,
         "n": chat.n,
+        "tools": bool(chat.tools),
         "received_at": received_at,
         "api_key_id": owner.api_key_id,
         "user_id": owner.user_id,

@@ -1,6 +1,7 @@
 """Parse and check a chat completion request body before anything is written or queued."""
 
 import json
+import re
 from dataclasses import dataclass, field
 
 from . import registry
@@ -10,6 +11,7 @@ ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_BEAM_WIDTH = 8
 # What beam search cannot honour, with the values that mean "not asked for".
 BEAM_SEARCH_EXCLUDES = {
@@ -31,6 +33,7 @@ class ChatRequest:
     continuous_usage: bool = False
     max_tokens: int | None = None
     n: int = 1
+    tools: list[dict] = field(default_factory=list)  # offered to the model (none with tool_choice "none")
     detach: bool = False  # keep running when the client of the POST leaves, for a later resume
     sampling: dict = field(default_factory=dict)  # the engine's SamplingParams, but max_tokens
 
@@ -54,6 +57,7 @@ def parse(body, content_type):
         continuous_usage=stream_option(data, "continuous_usage_stats"),
         max_tokens=max_tokens_of(data),
         n=n_of(data),
+        tools=tools_of(data),
         detach=boolean(extension_of(data), "detach_on_disconnect", False, param="tokstream.detach_on_disconnect"),
         sampling=sampling_of(data),
     )
@@ -162,7 +166,44 @@ def message_of(message, index):
     if not isinstance(message, dict) or message.get("role") not in ROLES:
         raise invalid(f"{param}.role must be one of {', '.join(sorted(ROLES))}.", param=f"{param}.role")
     role = "system" if message["role"] == "developer" else message["role"]
-    return {"role": role, "content": content_text(message.get("content"), f"{param}.content")}
+    checked = {"role": role, "content": content_text(message.get("content"), f"{param}.content")}
+    if role == "assistant" and message.get("tool_calls"):
+        checked["tool_calls"] = earlier_calls(message["tool_calls"], f"{param}.tool_calls")
+    return checked
+
+
+def earlier_calls(calls, param):
+    """An assistant turn's calls, as the model wrote them: {"name", "arguments"}."""
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+        raise invalid(f"{param} must be a list of function calls.", param=param)
+    return [{"name": str(c["function"].get("name", "")), "arguments": arguments_of(c["function"].get("arguments"))} for c in calls]
+
+
+def arguments_of(text):
+    try:
+        return json.loads(text) if isinstance(text, str) else text
+    except ValueError:
+        return text
+
+
+def tools_of(data):
+    tools = data.get("tools") or []
+    if not isinstance(tools, list) or not all(is_function_tool(t) for t in tools):
+        raise invalid('`tools` must be a list of {"type": "function", "function": {"name", "description", "parameters"}}.', param="tools")
+    choice = data.get("tool_choice", "auto") or "auto"
+    if choice not in ("auto", "none"):
+        raise invalid('Only `tool_choice` "auto" and "none" are supported.', param="tool_choice")
+    return tools if choice == "auto" else []
+
+
+def is_function_tool(tool):
+    function = tool.get("function") if isinstance(tool, dict) else None
+    return (
+        tool.get("type") == "function"
+        and isinstance(function, dict)
+        and FUNCTION_NAME.match(str(function.get("name", "")))
+        and isinstance(function.get("parameters", {}), dict)
+    )
 
 
 def content_text(content, param):

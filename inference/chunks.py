@@ -29,6 +29,8 @@ class ChunkWriter:
             return [self.delta_chunk(entry)]
         if entry["t"] == "steer":
             return [self.steer_chunk(entry)]
+        if entry["t"] in ("tool", "args"):
+            return [self.tool_chunk(entry)]
         return self.end_chunks(entry)
 
     def opening(self, index):
@@ -68,6 +70,16 @@ class ChunkWriter:
         chunk = self.chunk([{"index": index, "delta": {**self.opening(index), "content": ""}, "logprobs": None, "finish_reason": None}])
         return {**chunk, "tokstream": mark}
 
+    def tool_chunk(self, entry):
+        """As OpenAI streams a call: its index, id, type and name with empty arguments first,
+        then only the index and each fragment of the arguments."""
+        if entry["t"] == "tool":
+            call = {"index": entry["index"], "id": entry["id"], "type": "function", "function": {"name": entry["name"], "arguments": ""}}
+        else:
+            call = {"index": entry["index"], "function": {"arguments": entry["text"]}}
+        index = entry.get("i", 0)
+        return self.chunk([{"index": index, "delta": {**self.opening(index), "tool_calls": [call]}, "logprobs": None, "finish_reason": None}])
+
     def end_chunks(self, entry):
         if "error" in entry:
             chunks = [ApiError(500, entry["error"], type="server_error", code=entry.get("code")).body()]
@@ -89,6 +101,16 @@ class ChunkWriter:
         if self.include_usage:
             chunk["usage"] = None
         return chunk
+
+
+def tool_calls(entries):
+    calls = {}
+    for entry in entries:
+        if entry["t"] == "tool":
+            calls[entry["index"]] = {"id": entry["id"], "type": "function", "function": {"name": entry["name"], "arguments": ""}}
+        elif entry["t"] == "args":
+            calls[entry["index"]]["function"]["arguments"] += entry["text"]
+    return [calls[i] for i in sorted(calls)]
 
 
 MAX_STREAM_SEQ = 2**64 - 1
@@ -128,8 +150,13 @@ def completion(admitted, deltas, end):
     }
 
 
-def choice(index, deltas, finish_reason):
+def choice(index, entries, finish_reason):
+    deltas = [e for e in entries if e["t"] == "delta"]
     message = {"role": "assistant", "content": "".join(d["text"] for d in deltas)}
+    calls = tool_calls(entries)
+    if calls:
+        message["tool_calls"] = calls
+        message["content"] = message["content"] or None  # as OpenAI: no text, null content
     tokens = [token for d in deltas for token in d.get("logprobs", [])]
     logprobs = {"content": tokens} if tokens else None
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}

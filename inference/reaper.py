@@ -12,7 +12,7 @@ import time
 
 from billing import ledger
 
-from . import limits, streamlog
+from . import limits, metrics, streamlog
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,10 @@ def end_abandoned(request_id, message):
         record(request_id, meta, usage, message)
     except Exception:  # the readers still get their end; the operator gets the alarm
         log.critical("no ledger entry could be written for abandoned request %s", request_id, exc_info=True)
+    try:
+        metrics.record_request(client, meta["model"], "failed", {}, [], usage["prompt_tokens"], usage["completion_tokens"])
+    except Exception:
+        log.warning("metrics for abandoned request %s were not recorded", request_id, exc_info=True)
     end = {"t": "end", "finish_reasons": ["error"] * int(meta.get("n", 1)), "usage": usage, "error": message, "code": "worker_unavailable"}
     streamlog.append(client, request_id, end)
 

@@ -160,7 +160,7 @@ async def respond_whole(send, client, admitted):
     deltas = []
     try:
         async for _, entry in entries(client, admitted, "0-0"):
-            if entry["t"] == "delta":
+            if entry["t"] in ("delta", "tool", "args"):
                 deltas.append(entry)
         await send_json(send, 200, completion(admitted, deltas, entry))
     except ApiError as exc:

@@ -138,14 +138,14 @@ def signals_among(client, request_ids):
     return cancelled, {r: texts for r, texts in zip(request_ids, steering[::2]) if texts}
 
 
-def heartbeat(client, worker_id, model):
-    """Say that this worker serves `model` for the next TOKSTREAM_WORKER_TTL seconds, and clear
-    the beats of workers that stopped."""
+def heartbeat(client, worker_id, model, running=0, waiting=0):
+    """Say that this engine serves `model` for the next TOKSTREAM_WORKER_TTL seconds (and how
+    busy it is), and clear the beats of engines that stopped."""
     beats = workers(client)
     stale = [field for field, value in beats.items() if json.loads(value)["until"] < time.time()]
-    until = time.time() + settings.TOKSTREAM_WORKER_TTL
+    beat = {"model": model, "until": time.time() + settings.TOKSTREAM_WORKER_TTL, "running": running, "waiting": waiting}
     with client.pipeline(transaction=False) as pipe:
-        pipe.hset(workers_key(), f"{worker_id}:{model}", json.dumps({"model": model, "until": until}))
+        pipe.hset(workers_key(), f"{worker_id}:{model}", json.dumps(beat))
         if stale:
             pipe.hdel(workers_key(), *stale)
         pipe.execute()
@@ -161,11 +161,14 @@ def beating(beats, worker_id, model):
     return beat is not None and json.loads(beat)["until"] >= time.time()
 
 
+def live_beats(beats):
+    now = time.time()
+    return [beat for beat in map(json.loads, beats.values()) if beat["until"] >= now]
+
+
 def served_models(beats):
-    """Model name -> how many live workers serve it."""
-    now, served = time.time(), {}
-    for value in beats.values():
-        beat = json.loads(value)
-        if beat["until"] >= now:
-            served[beat["model"]] = served.get(beat["model"], 0) + 1
+    """Model name -> how many live engines serve it."""
+    served = {}
+    for beat in live_beats(beats):
+        served[beat["model"]] = served.get(beat["model"], 0) + 1
     return served

@@ -13,8 +13,9 @@ from celery import shared_task
 from billing import ledger
 from billing.models import UsageEntry
 
-from . import limits, streamlog
+from . import limits, metrics, streamlog
 from .engine import SamplingParams, choices
+from .tools import ToolCallParser
 from .worker import engine_loop
 
 log = logging.getLogger(__name__)
@@ -22,17 +23,17 @@ DRAIN_SECONDS = 30
 
 
 @shared_task(name="inference.tasks.generate")
-def generate(request_id, model, prompt_ids, params, received_at, api_key_id=None, user_id=None, n=1):
+def generate(request_id, model, prompt_ids, params, received_at, api_key_id=None, user_id=None, n=1, tools=False):
     if UsageEntry.objects.filter(request_id=request_id).exists():
         return  # a second delivery of a request already recorded
     requests = choices(request_id, prompt_ids, SamplingParams(**params), n)
     client = streamlog.sync_client()
-    tokenizer_id = ""
+    tokenizer_id, gaps = "", []
     try:
         loop = engine_loop(model)
         limits.claim(client, request_id, model, loop.worker_id)
         tokenizer_id = loop.model.tokenizer_id
-        relay(loop, requests, client)
+        relay(loop, requests, client, tools, gaps)
     except Exception as exc:
         log.exception("request %s failed", request_id)
         for request in requests:
@@ -44,18 +45,30 @@ def generate(request_id, model, prompt_ids, params, received_at, api_key_id=None
         except Exception:  # the client still gets its end; the operator gets the alarm
             log.critical("no ledger entry could be written for request %s", request_id, exc_info=True)
         streamlog.append(client, request_id, end_entry(requests))
+        record_metrics(client, model, requests, received_at, gaps)
 
 
-def relay(loop, requests, client):
-    """Copy the engine's outputs to the log until every choice has finished."""
+def relay(loop, requests, client, tools=False, gaps=None):
+    """Copy the engine's outputs to the log until every choice has finished; with tools, a
+    parser per choice turns <tool_call> text into tool-call entries. The time between a
+    choice's outputs goes to `gaps`."""
     outbox = loop.submit(*requests)
+    parsers = {r.index: ToolCallParser() for r in requests} if tools else {}
+    last_output = {}
     running = len(requests)
     try:
         while running:
             output = outbox.get()
-            for entry in log_entries(output, requests):
+            if output.text and gaps is not None:
+                now = time.monotonic()
+                if output.index in last_output:
+                    gaps.append(now - last_output[output.index])
+                last_output[output.index] = now
+            for entry in log_entries(output, requests, parsers.get(output.index)):
                 streamlog.append(client, requests[0].group, entry)
-            running -= output.finished
+            if output.finished:
+                running -= 1
+                ended_with_calls(requests[output.index], parsers.get(output.index))
     except Exception:
         # The log cannot take more: stop the engine too, and bill what it did up to then.
         loop.engine.cancel(requests[0].group)
@@ -63,11 +76,38 @@ def relay(loop, requests, client):
         raise
 
 
-def log_entries(output, requests):
+def log_entries(output, requests, parser=None):
     entries = [steer_entry(output, requests)] if output.steered else []
-    if output.text or output.logprobs:
-        entries.append(delta_entry(output))
+    if parser is None:
+        events = [("content", output.text)] if output.text else []
+    else:
+        events = parser.feed(output.text) + (parser.finish() if output.finished else [])
+    entries += [event_entry(output, event) for event in events]
+    if output.logprobs:  # they go with the step's first text, or alone
+        deltas = [e for e in entries if e["t"] == "delta"] or [append_to(entries, delta_entry(output, ""))]
+        deltas[0]["logprobs"] = output.logprobs
     return entries
+
+
+def append_to(entries, entry):
+    entries.append(entry)
+    return entry
+
+
+def event_entry(output, event):
+    if event[0] == "content":
+        return delta_entry(output, event[1])
+    if event[0] == "call":
+        entry = {"t": "tool", "index": event[1], "id": event[2], "name": event[3]}
+    else:
+        entry = {"t": "args", "index": event[1], "text": event[2]}
+    return {**entry, "i": output.index} if output.index else entry
+
+
+def ended_with_calls(request, parser):
+    """A reply that made tool calls and stopped ends as OpenAI says: "tool_calls"."""
+    if parser is not None and parser.calls and request.finish_reason == "stop":
+        request.finish_reason = "tool_calls"
 
 
 def steer_entry(output, requests):
@@ -80,12 +120,10 @@ def steer_entry(output, requests):
     return entry
 
 
-def delta_entry(output):
-    entry = {"t": "delta", "text": output.text, "n": output.completion_tokens}
+def delta_entry(output, text):
+    entry = {"t": "delta", "text": text, "n": output.completion_tokens}
     if output.index:
         entry["i"] = output.index
-    if output.logprobs:
-        entry["logprobs"] = output.logprobs
     return entry
 
 
@@ -99,7 +137,7 @@ def wait_until_finished(outbox, running):
 
 
 # The ledger has one status per request: with n > 1, the worst of its choices' endings.
-WORST_FIRST = ("error", "cancelled", "length", "stop")
+WORST_FIRST = ("error", "cancelled", "length", "tool_calls", "stop")
 
 
 def finish_reason_of(requests):
@@ -140,6 +178,23 @@ def record(request_id, requests, model, tokenizer_id, received_at, api_key_id, u
         first_token_at=earliest(r.first_token_at for r in requests),
         finished_at=ledger.as_datetime(max((r.finished_at or time.time()) for r in requests)),
     )
+
+
+def record_metrics(client, model, requests, received_at, gaps):
+    def since_arrival(times, pick):
+        times = [t for t in times if t is not None]
+        return pick(times) - received_at if times else None
+
+    timings = {
+        "queue_time_seconds": since_arrival((r.started_at for r in requests), min),
+        "time_to_first_token_seconds": since_arrival((r.first_token_at for r in requests), min),
+        "e2e_request_latency_seconds": max((r.finished_at or time.time()) for r in requests) - received_at,
+    }
+    outcome = ledger.STATUS_OF_REASON[finish_reason_of(requests)]
+    try:
+        metrics.record_request(client, model, str(outcome), timings, gaps, prompt_tokens(requests), completion_tokens(requests))
+    except Exception:  # metrics must never cost a request its end
+        log.warning("metrics for request %s were not recorded", requests[0].group, exc_info=True)
 
 
 def end_entry(requests):

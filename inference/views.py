@@ -7,14 +7,15 @@ from django.conf import settings
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import RequestDataTooBig
 from django.db import connection
-from django.http import JsonResponse
+from django.http import HttpResponse, JsonResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from django.shortcuts import render
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
 from billing.models import ApiKey
 
-from . import chat_request, registry, streamlog
+from . import chat_request, metrics, registry, streamlog
 from .admission import Owner, admit, owned_meta
 from .errors import ApiError, invalid, too_large, unauthorized
 
@@ -60,6 +61,12 @@ def api_post(view):
 def models(request):
     data = [{"id": name, "object": "model", "created": 0, "owned_by": "tokstream"} for name in registry.names()]
     return JsonResponse({"object": "list", "data": data})
+
+
+@require_GET
+def prometheus_metrics(request):
+    """Prometheus text format, for the whole service: the numbers live in Redis."""
+    return HttpResponse(metrics.render(streamlog.sync_client()), content_type=CONTENT_TYPE_LATEST)
 
 
 @require_GET

@@ -28,7 +28,7 @@ class EngineLoop(threading.Thread):
         self.model = model
         self.engine = engine
         self.redis = redis_client
-        self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{model.device}"  # one engine of the process
         self.last_beat = 0.0
         self.outboxes = {}
         self.wake = threading.Event()
@@ -70,7 +70,7 @@ class EngineLoop(threading.Thread):
 
     def heartbeat(self):
         if time.monotonic() - self.last_beat >= settings.TOKSTREAM_WORKER_TTL / 3:
-            streamlog.heartbeat(self.redis, self.worker_id, self.model.name)
+            streamlog.heartbeat(self.redis, self.worker_id, self.model.name, len(self.engine.running), len(self.engine.waiting))
             self.last_beat = time.monotonic()
 
     def apply_signals(self):

@@ -88,6 +88,9 @@ def test_it_refuses_max_tokens_out_of_range(post, max_tokens):
         ("top_logprobs", 3),  # without logprobs: true
         ("logprobs", "yes"),
         ("stop", ["a", "b", "c", "d", "e"]),
+        ("tools", [{"type": "function"}]),
+        ("tools", [{"type": "function", "function": {"name": "no spaces allowed"}}]),
+        ("tool_choice", "required"),
         ("n", 0),
         ("n", 17),
         ("n", 1.5),

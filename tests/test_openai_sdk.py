@@ -1,5 +1,7 @@
 """The official openai package, pointed at tokstream, works unchanged."""
 
+import json
+
 import openai
 import pytest
 
@@ -55,3 +57,53 @@ def test_errors_surface_as_the_sdks_own_exceptions(client, live_service):
     ApiKey.objects.filter(pk=key.pk).update(requests_per_minute=0)
     with pytest.raises(openai.RateLimitError):
         openai.OpenAI(base_url=client.base_url, api_key=raw, max_retries=0).chat.completions.create(model=MODEL, messages=MESSAGES)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def earlier_call(city, n):
+    arguments = json.dumps({"city": city})
+    return {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{n}", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}
+
+
+# Two earlier calls show this small model the convention; it then follows it for Paris.
+TOOL_MESSAGES = [
+    {"role": "user", "content": "What is the weather in Rome?"},
+    earlier_call("Rome", 1),
+    {"role": "user", "content": "What is the weather in Oslo?"},
+    earlier_call("Oslo", 2),
+    {"role": "user", "content": "What is the weather in Paris?"},
+]
+
+
+def test_tool_calls_stream_as_openai_streams_them(client):
+    options = dict(model=MODEL, messages=TOOL_MESSAGES, tools=[WEATHER], max_tokens=60, temperature=0)
+    chunks = list(client.chat.completions.create(**options, stream=True))
+    calls = [call for chunk in chunks for choice in chunk.choices for call in choice.delta.tool_calls or []]
+    first, rest = calls[0], calls[1:]
+    assert (first.index, first.type, first.function.name, first.function.arguments) == (0, "function", "get_weather", "")
+    assert first.id.startswith("call_")
+    assert rest and all(c.index == 0 and c.id is None and c.function.name is None for c in rest)
+    assert json.loads("".join(c.function.arguments for c in rest)) == {"city": "Paris"}
+    assert "<tool_call>" not in "".join(choice.delta.content or "" for chunk in chunks for choice in chunk.choices)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    whole = client.chat.completions.create(**options)
+    [call] = whole.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None
+
+
+def test_the_stream_helper_accumulates_a_valid_call(client):
+    with client.chat.completions.stream(model=MODEL, messages=TOOL_MESSAGES, tools=[WEATHER], max_tokens=60, temperature=0) as stream:
+        done = [event for event in stream if event.type == "tool_calls.function.arguments.done"]
+        final = stream.get_final_completion()
+    assert [json.loads(event.arguments) for event in done] == [{"city": "Paris"}]
+    assert final.choices[0].message.tool_calls[0].function.name == "get_weather"

@@ -12,6 +12,7 @@ urlpatterns = [
     path("v1/chat/completions/<str:request_id>/steer", views.api_steer, name="api-steer"),
     path("v1/models", views.models, name="models"),
     path("healthz", views.healthz, name="healthz"),
+    path("metrics", views.prometheus_metrics, name="metrics"),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),

@@ -1,0 +1,40 @@
+"""GET /metrics: Prometheus text for the whole service, from what the workers recorded."""
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.sse import MODEL, chat_body, stream_chat
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def scrape(service):
+    response = httpx.get(f"{service.url}/metrics", timeout=30)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples, name, **labels):
+    return samples.get((name, tuple(sorted({"model": MODEL, **labels}.items()))), 0)
+
+
+def test_a_request_shows_up_in_every_family(live_service, api_key):
+    before = scrape(live_service)
+    body = chat_body("Count to five.", max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True})
+    usage = stream_chat(live_service, api_key, body)[-2][1]["usage"]
+    after = scrape(live_service)
+    assert value(after, "tokstream_prompt_tokens_total") - value(before, "tokstream_prompt_tokens_total") == usage["prompt_tokens"]
+    assert value(after, "tokstream_completion_tokens_total") - value(before, "tokstream_completion_tokens_total") == usage["completion_tokens"]
+    assert value(after, "tokstream_requests_total", outcome="length") == value(before, "tokstream_requests_total", outcome="length") + 1
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "queue_time_seconds"):
+        name = f"tokstream_{histogram}_count"
+        assert value(after, name) == value(before, name) + 1, histogram
+    gaps = "tokstream_inter_token_latency_seconds_count"
+    assert value(after, gaps) - value(before, gaps) >= 3  # one per gap between streamed outputs
+    assert value(after, "tokstream_inter_token_latency_seconds_bucket", le="+Inf") == value(after, gaps)
+    assert ("tokstream_requests_running", (("model", MODEL),)) in after
