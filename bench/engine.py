@@ -106,6 +106,20 @@ def engine_decoding(lm, batch, steps):
     return len(batch) * steps / (time.perf_counter() - start), round(context - steps / 2)
 
 
+def prefill_budget_ab(lm, batch, tokens):
+    """32 arrivals at once, with the prefill budget of a step flat (TOKSTREAM_STEP_TOKENS) and
+    scaled with the decode batch (engine.PREFILL_PER_DECODE), alternated in this process."""
+    from inference.engine import engine as engine_module
+
+    scaled_budget, runs = engine_module.PREFILL_PER_DECODE, {0: [], scaled_budget: []}
+    for _ in range(2):
+        for per_decode in runs:
+            engine_module.PREFILL_PER_DECODE = per_decode
+            runs[per_decode].append(engine_throughput(lm, batch, tokens))
+    engine_module.PREFILL_PER_DECODE = scaled_budget
+    return statistics.median(runs[0]), statistics.median(runs[scaled_budget])
+
+
 def join_busy_batch(lm, batch, tokens):
     """TTFT of a request joining 31 decoding ones, against its own prefill + 2 decode steps."""
     engine = make_engine(lm, max_running=len(batch) + 1)
@@ -190,6 +204,8 @@ def main():
             f"batch {size:2d}: (b) bare decode {bare:6.1f} tok/s | (c) engine decoding {decoding:6.1f} tok/s, "
             f"x{decoding / bare:4.2f} of (b) | engine with prefill {whole:6.1f} tok/s{vs_a}"
         )
+    flat, scaled = prefill_budget_ab(lm, batch32, args.tokens)
+    print(f"batch 32 with prefill: flat budget {flat:6.1f} tok/s, budget scaled with the batch {scaled:6.1f} tok/s: x{scaled / flat:.2f}")
     ttft, prefill, step = join_busy_batch(lm, batch32[:31], args.tokens)
     print(f"joining 31 busy requests: TTFT {ttft * 1000:.0f} ms; own prefill alone {prefill * 1000:.0f} ms + 2 steps of {step * 1000:.0f} ms = {(prefill + 2 * step) * 1000:.0f} ms")
     usual, during, worst, steps = gap_during_long_prefill(lm, batch32)

@@ -115,6 +115,8 @@ async def entries(client, admitted, last_id, on_idle=None):
     orphaned = 0
     while True:
         batch = await streamlog.read_after(client, admitted.request_id, last_id, block_ms)
+        if batch and settings.TOKSTREAM_COALESCE_MS:
+            batch = await coalesced(client, admitted.request_id, batch)
         if not batch:
             orphaned = await orphan_count(client, admitted, orphaned)
             if orphaned >= 2:
@@ -125,6 +127,29 @@ async def entries(client, admitted, last_id, on_idle=None):
             yield last_id, entry
             if entry["t"] == "end":
                 return
+
+
+async def coalesced(client, request_id, batch):
+    """What else arrives within the window, with runs of plain deltas of one choice merged into
+    one (whole entries only: no character is split, nothing reordered). The merged event keeps
+    the id of its last entry, so a resume from it continues exactly after it."""
+    await asyncio.sleep(settings.TOKSTREAM_COALESCE_MS / 1000)
+    batch += await streamlog.read_after(client, request_id, batch[-1][0], None)
+    merged = []
+    for entry_id, entry in batch:
+        previous = merged[-1][1] if merged else None
+        if mergeable(previous, entry):
+            merged[-1] = (entry_id, {**entry, "text": previous["text"] + entry["text"]})
+        else:
+            merged.append((entry_id, entry))
+    return merged
+
+
+def mergeable(previous, entry):
+    def plain(e):
+        return e is not None and e["t"] == "delta" and "logprobs" not in e
+
+    return plain(previous) and plain(entry) and previous.get("i", 0) == entry.get("i", 0)
 
 
 async def orphan_count(client, admitted, orphaned):

@@ -82,7 +82,7 @@ async def last_entry(client, request_id):
 
 async def read_after(client, request_id, last_id, block_ms):
     """Entries after `last_id`, waiting up to block_ms for the first; [] on time-out."""
-    reply = await client.xread({key(request_id, "log"): last_id}, block=block_ms)
+    reply = await client.xread({key(request_id, "log"): last_id}, block=block_ms)  # None: no wait
     return decode_entries(reply[0][1]) if reply else []
 
 

@@ -8,10 +8,10 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import RequestDataTooBig
 from django.db import connection
 from django.http import HttpResponse, JsonResponse
-from prometheus_client import CONTENT_TYPE_LATEST
 from django.shortcuts import render
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from billing.models import ApiKey
 

@@ -1,6 +1,7 @@
 """Shared fixtures. The tests start the real processes they test; tests/settings.py gives them
 a Redis database and key prefix of their own."""
 
+import contextlib
 import os
 import time
 
@@ -49,6 +50,23 @@ def live_service(django_db_setup, django_db_blocker, redis_client):
     service.stop()
     with django_db_blocker.unblock():
         wait_for_other_sessions_to_close(connection)
+
+
+@contextlib.contextmanager
+def separate_service(django_db_blocker, redis_db, **options):
+    """A service of a test's own, on a Redis database of its own (so its Celery queue is its
+    own too): for tests that kill a worker or need several processes."""
+    from django.db import connection
+
+    redis_url = os.environ["TEST_REDIS_URL"].rsplit("/", 1)[0] + f"/{redis_db}"
+    service = LiveService(connection.settings_dict, TEST_REDIS_URL=redis_url, **options)
+    try:
+        service.start()
+        yield service
+    finally:
+        service.stop()
+        with django_db_blocker.unblock():
+            wait_for_other_sessions_to_close(connection)
 
 
 def wait_for_other_sessions_to_close(connection, seconds=10):

@@ -23,17 +23,23 @@ def database_url(db):
 
 
 class LiveService:
-    def __init__(self, db_settings, **env):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    """Daphne and Celery worker processes (one of each unless asked), sharing one database."""
+
+    def __init__(self, db_settings, daphnes=1, workers=1, **env):
+        self.ports = [free_port() for _ in range(daphnes)]
+        self.urls = [f"http://127.0.0.1:{port}" for port in self.ports]
+        self.url, self.port = self.urls[0], self.ports[0]
+        self.workers = workers
         self.env = {**os.environ, "DATABASE_URL": database_url(db_settings), "PYTHONUNBUFFERED": "1", **env}
         self.logs = ROOT / ".cache" / "test-logs" / str(self.port)
         self.children = []
 
     def start(self):
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.spawn("worker", processes.worker_command(4, hostname=f"test-{self.port}@%h"))
-        self.spawn("daphne", processes.daphne_command("127.0.0.1", self.port))
+        for n in range(self.workers):
+            self.spawn(f"worker-{n}" if n else "worker", processes.worker_command(4, hostname=f"test-{self.port}-{n}@%h"))
+        for n, port in enumerate(self.ports):
+            self.spawn(f"daphne-{n}" if n else "daphne", processes.daphne_command("127.0.0.1", port))
         self.wait_healthy(timeout=120)
 
     def spawn(self, name, command):
@@ -41,18 +47,23 @@ class LiveService:
         self.children.append(subprocess.Popen(command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT))
 
     def wait_healthy(self, timeout):
+        """Until every web process answers and every worker has its model loaded."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for child in self.children:
                 if child.poll() is not None:
                     raise RuntimeError(f"a service process exited early; see {self.logs}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if all(self.healthy(url) for url in self.urls):
+                return
             time.sleep(0.3)
         raise RuntimeError(f"the service did not become healthy; see {self.logs}")
+
+    def healthy(self, url):
+        try:
+            response = httpx.get(f"{url}/healthz", timeout=2)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200 and sum(response.json()["checks"]["workers"]["models"].values()) >= self.workers
 
     def stop(self):
         for child in self.children:

@@ -8,7 +8,8 @@ import openai
 import pytest
 
 from billing.models import ApiKey, UsageEntry
-from tests.service import LiveService, wait_for_entry
+from tests.conftest import separate_service
+from tests.service import wait_for_entry
 from tests.sse import auth, chat_body, content_of, events
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -100,19 +101,9 @@ def test_a_detached_request_runs_on_after_its_client_leaves_and_can_be_resumed(l
 
 @pytest.fixture
 def fragile_service(django_db_setup, django_db_blocker, redis_client):
-    """A service of its own (its own Redis database, so its queue is its own), with a short
-    heartbeat, whose worker a test may kill."""
-    from django.db import connection
-
-    from tests.conftest import wait_for_other_sessions_to_close
-
-    redis_url = os.environ["TEST_REDIS_URL"].rsplit("/", 1)[0] + "/1"
-    service = LiveService(connection.settings_dict, TEST_REDIS_URL=redis_url, TOKSTREAM_WORKER_TTL="3", TOKSTREAM_KEEPALIVE_SECONDS="1")
-    service.start()
-    yield service
-    service.stop()
-    with django_db_blocker.unblock():
-        wait_for_other_sessions_to_close(connection)
+    """A worker a test may kill, with a short heartbeat."""
+    with separate_service(django_db_blocker, 1, TOKSTREAM_WORKER_TTL="3", TOKSTREAM_KEEPALIVE_SECONDS="1") as service:
+        yield service
 
 
 def test_a_killed_worker_ends_the_stream_with_an_error_and_a_failed_entry(fragile_service, api_key):

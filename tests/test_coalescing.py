@@ -1,0 +1,40 @@
+"""TOKSTREAM_COALESCE_MS: deltas that arrive within the window leave as one event."""
+
+import asyncio
+
+import pytest
+
+from inference import sse, streamlog
+from inference.admission import Admitted
+
+
+@pytest.fixture
+def log(redis_client):
+    request_id = "chatcmpl-coalescing"
+    texts = [("Hel", 0), ("lo", 0), (" wor", 0), ("ld", 0), ("¡", 1), ("!", 1)]
+    ids = [streamlog.append(redis_client, request_id, {"t": "delta", "text": text, "n": n + 1, "i": i}) for n, (text, i) in enumerate(texts)]
+    ids.append(streamlog.append(redis_client, request_id, {"t": "end", "finish_reasons": ["stop", "stop"], "usage": {}}))
+    yield Admitted(request_id, "a-model", 0, 3), ids
+    redis_client.delete(streamlog.key(request_id, "log"))
+
+
+def read(admitted):
+    async def collect():
+        return [pair async for pair in sse.entries(streamlog.async_client(), admitted, "0-0")]
+
+    return asyncio.run(collect())
+
+
+def test_deltas_in_the_window_are_merged_whole_per_choice_and_in_order(log, settings):
+    admitted, ids = log
+    settings.TOKSTREAM_COALESCE_MS = 50
+    merged = read(admitted)
+    assert [(entry.get("text"), entry.get("i")) for _, entry in merged] == [("Hello world", 0), ("¡!", 1), (None, None)]
+    assert [entry_id for entry_id, _ in merged] == [ids[3], ids[5], ids[6]]  # a resume from them loses nothing
+    assert merged[0][1]["n"] == 4
+
+
+def test_by_default_every_delta_passes_through(log, settings):
+    admitted, ids = log
+    settings.TOKSTREAM_COALESCE_MS = 0
+    assert [entry_id for entry_id, _ in read(admitted)] == ids
