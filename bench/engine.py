@@ -111,7 +111,8 @@ def prefill_budget_ab(lm, batch, tokens):
     scaled with the decode batch (engine.PREFILL_PER_DECODE), alternated in this process."""
     from inference.engine import engine as engine_module
 
-    scaled_budget, runs = engine_module.PREFILL_PER_DECODE, {0: [], scaled_budget: []}
+    scaled_budget = engine_module.PREFILL_PER_DECODE
+    runs = {0: [], scaled_budget: []}
     for _ in range(2):
         for per_decode in runs:
             engine_module.PREFILL_PER_DECODE = per_decode

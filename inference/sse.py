@@ -239,6 +239,8 @@ class CompletionEvents:
             admitted = Admitted.from_meta(request_id, await self.authorized_meta(scope, client, request_id))
             last_id = last_event_id(scope)
         except ApiError as exc:
+            if exc.status == 404 and "text/event-stream" in header(scope, b"accept"):
+                return await send_empty(send, 204)  # expired or unknown: EventSource stops retrying
             return await send_error(send, exc)
         if last_id and await self.seen_the_end(client, request_id, last_id):
             # 204 tells EventSource to stop reconnecting: there is nothing more to send.

@@ -96,7 +96,9 @@ def test_a_detached_request_runs_on_after_its_client_leaves_and_can_be_resumed(l
     with httpx.stream("GET", url, headers={**auth(api_key), "Last-Event-ID": first[-1][0]}, timeout=60) as response:
         rest = list(events(response))
     whole = httpx.post(f"{live_service.url}/v1/chat/completions", json={**body, "stream": False}, headers=auth(api_key), timeout=120).json()
-    assert content_of(c for _, c in first + rest[:-1]) == whole["choices"][0]["message"]["content"]
+    assert content_of(c for _, c in first + rest[:-1]) == whole["choices"][0]["message"]["content"]  # no gap, no repeat
+    assert [c for _, c in rest].count("[DONE]") == 1 and rest[-1][1] == "[DONE]"
+    assert len([c for _, c in rest[:-1] if c["choices"] == []]) == 1  # the usage chunk, once
 
 
 @pytest.fixture

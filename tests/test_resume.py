@@ -57,6 +57,13 @@ def test_the_query_parameter_works_for_clients_without_headers(live_service, api
     assert status == 200 and len(rest) == 2 and rest[-1][1] == "[DONE]"
 
 
+def test_an_unknown_or_expired_id_is_404_or_204_for_eventsource(live_service, api_key):
+    assert replay(live_service, api_key, "chatcmpl-expired")[0] == 404
+    url = f"{live_service.url}/v1/chat/completions/chatcmpl-expired/events"
+    response = httpx.get(url, headers={**auth(api_key), "Accept": "text/event-stream"}, timeout=30)
+    assert response.status_code == 204  # EventSource stops reconnecting
+
+
 def test_only_the_owner_may_read_it(live_service, api_key, finished):
     _, other = ApiKey.issue("someone else")
     request_id = finished[0][1]["id"]
