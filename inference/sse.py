@@ -28,6 +28,11 @@ class ClientGone(Exception):
     pass
 
 
+# A comment line alone, without the blank line that ends an event: once a stream has sent an
+# id, the openai SDK turns any blank line into an event and fails on its empty data.
+KEEPALIVE = b": keep-alive\n"
+RETRY = b"retry: 3000\n"  # on the first event, for the same reason
+
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -172,10 +177,8 @@ async def relay_sse(send, client, writer, admitted, last_event_id=""):
     last_id, skip = resume_point(last_event_id) if last_event_id else ("0-0", 0)
     headers = [*SSE_HEADERS, (b"x-request-id", admitted.request_id.encode())]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
-    # The reconnection hint rides on the first event: alone, the openai SDK would read it as
-    # an event without data.
-    retry = b"retry: 3000\n"
-    async for entry_id, entry in entries(client, admitted, last_id, on_idle=lambda: body(b": keep-alive\n\n")):
+    retry = RETRY
+    async for entry_id, entry in entries(client, admitted, last_id, on_idle=lambda: body(KEEPALIVE)):
         await body(retry + sse_frames(entry_id, writer.chunks(entry), done=entry["t"] == "end", skip=skip))
         retry, skip = b"", 0
     await send({"type": "http.response.body", "body": b""})

@@ -1,4 +1,4 @@
-"""TOKSTREAM_COALESCE_MS: deltas that arrive within the window leave as one event."""
+"""SSE framing: what leaves the server, read back as clients read it; and TOKSTREAM_COALESCE_MS."""
 
 import asyncio
 
@@ -38,3 +38,15 @@ def test_by_default_every_delta_passes_through(log, settings):
     admitted, ids = log
     settings.TOKSTREAM_COALESCE_MS = 0
     assert [entry_id for entry_id, _ in read(admitted)] == ids
+
+
+def test_the_framing_gives_the_openai_sdk_only_whole_events():
+    """Keep-alives and the retry hint between events, read by the SDK's own SSE decoder."""
+    from openai._streaming import SSEDecoder
+
+    from inference.chunks import sse_frames
+
+    stream = sse.RETRY + sse_frames("1-0", [{"a": 1}]) + sse.KEEPALIVE + sse.KEEPALIVE + sse_frames("2-0", [{"b": 2}], done=True)
+    events = list(SSEDecoder().iter_bytes(iter([stream[i : i + 7] for i in range(0, len(stream), 7)])))
+    assert [event.data for event in events] == ['{"a":1}', '{"b":2}', "[DONE]"]
+    assert [event.id for event in events] == ["1-0", "2-0.0", "2-0"]
