@@ -1,11 +1,11 @@
 from django.contrib import admin, messages
 
-from .models import ApiKey, UsageEntry
+from .models import ApiKey, PriceSheet, UsageEntry
 
 
 @admin.register(UsageEntry)
 class UsageEntryAdmin(admin.ModelAdmin):
-    list_display = ["request_id", "received_at", "model", "status", "prompt_tokens", "completion_tokens", "api_key", "user"]
+    list_display = ["request_id", "received_at", "model", "status", "prompt_tokens", "completion_tokens", "total_cost", "currency", "api_key", "user"]
     list_filter = ["status", "model", "received_at"]
     search_fields = ["request_id"]
     date_hierarchy = "received_at"
@@ -16,6 +16,20 @@ class UsageEntryAdmin(admin.ModelAdmin):
 
     def has_change_permission(self, request, obj=None):
         return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(PriceSheet)
+class PriceSheetAdmin(admin.ModelAdmin):
+    """Sheets are added, never edited: a new price is a new sheet with its own effective time."""
+
+    list_display = ["model", "effective_from", "input_per_million", "cached_input_per_million", "output_per_million", "currency"]
+    list_filter = ["model"]
+
+    def has_change_permission(self, request, obj=None):
+        return obj is None  # the add form only
 
     def has_delete_permission(self, request, obj=None):
         return False

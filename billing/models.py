@@ -1,5 +1,7 @@
 import hashlib
+import json
 import secrets
+from decimal import Decimal
 
 from django.conf import settings
 from django.db import models
@@ -57,22 +59,88 @@ class AppendOnlyError(Exception):
     pass
 
 
-class UsageEntry(models.Model):
-    """One row per request, written once by the worker: the ledger."""
+class AppendOnly(models.Model):
+    """Rows that are added, never changed or deleted."""
+
+    class Meta:
+        abstract = True
+
+    def save(self, *args, **kwargs):
+        if not self._state.adding:
+            raise AppendOnlyError(f"{self._meta.verbose_name_plural} are never changed; add a new one instead")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        raise AppendOnlyError(f"{self._meta.verbose_name_plural} are never deleted")
+
+
+COST_PLACES = Decimal("0.000000001")  # stored exactly so, so that the hash of an entry reads back the same
+MILLION = Decimal(1_000_000)
+
+
+class PriceSheet(AppendOnly):
+    """A model's prices from `effective_from` on; a new price is a new sheet."""
+
+    model = models.CharField(max_length=100)
+    input_per_million = models.DecimalField(max_digits=14, decimal_places=6)
+    cached_input_per_million = models.DecimalField(max_digits=14, decimal_places=6)
+    output_per_million = models.DecimalField(max_digits=14, decimal_places=6)
+    currency = models.CharField(max_length=3, default="USD")
+    effective_from = models.DateTimeField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["model", "-effective_from"]
+        constraints = [models.UniqueConstraint(fields=["model", "effective_from"], name="one_sheet_per_model_and_time")]
+
+    def __str__(self):
+        return f"{self.model} from {self.effective_from:%Y-%m-%d %H:%M}"
+
+    @classmethod
+    def in_force(cls, model, at):
+        return cls.objects.filter(model=model, effective_from__lte=at).order_by("-effective_from").first()
+
+    def costs(self, prompt_tokens, cached_prompt_tokens, completion_tokens):
+        def cost(tokens, per_million):
+            return (Decimal(tokens) * per_million / MILLION).quantize(COST_PLACES)
+
+        parts = {
+            "input_cost": cost(prompt_tokens - cached_prompt_tokens, self.input_per_million),
+            "cached_input_cost": cost(cached_prompt_tokens, self.cached_input_per_million),
+            "output_cost": cost(completion_tokens, self.output_per_million),
+        }
+        return {**parts, "total_cost": sum(parts.values()), "currency": self.currency, "price_sheet": self}
+
+
+class UsageEntry(AppendOnly):
+    """One row per request, written once by the worker: the ledger. Each row's hash covers its
+    content and the previous row's hash, so an edit anywhere shows (manage.py verify_ledger)."""
 
     class Status(models.TextChoices):
         COMPLETED = "completed"
         LENGTH = "length"
+        TOOL_CALLS = "tool_calls"
         CANCELLED = "cancelled"
         FAILED = "failed"
 
+    class Kind(models.TextChoices):
+        USAGE = "usage"
+        ADJUSTMENT = "adjustment"
+        REVERSAL = "reversal"
+
     request_id = models.CharField(max_length=64, unique=True)
+    kind = models.CharField(max_length=12, choices=Kind.choices, default=Kind.USAGE)
+    corrects = models.ForeignKey("self", null=True, blank=True, on_delete=models.PROTECT, help_text="The entry an adjustment or reversal corrects.")
     api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.PROTECT)
     user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT)
     model = models.CharField(max_length=100)
     tokenizer = models.CharField(max_length=120, help_text="Tokenizer name and a hash of its files.")
-    prompt_tokens = models.PositiveIntegerField(help_text="Ids fed to the model.")
+    model_served = models.CharField(max_length=100, blank=True)
+    prompt_tokens = models.PositiveIntegerField(help_text="Ids fed to the model, steering included.")
+    cached_prompt_tokens = models.PositiveIntegerField(default=0, help_text="Of those, served from the prefix cache.")
+    steering_tokens = models.PositiveIntegerField(default=0, help_text="Of those, injected while it ran.")
     completion_tokens = models.PositiveIntegerField(help_text="Ids the model produced.")
+    usage_source = models.CharField(max_length=20, default="engine_ids", help_text="How the counts were obtained.")
     finish_reason = models.CharField(max_length=20)
     status = models.CharField(max_length=20, choices=Status.choices)
     error = models.TextField(blank=True)
@@ -80,6 +148,15 @@ class UsageEntry(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     first_token_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField()
+    price_sheet = models.ForeignKey(PriceSheet, null=True, blank=True, on_delete=models.PROTECT)
+    # Empty costs mean unknown (no price sheet for the model), never zero.
+    input_cost = models.DecimalField(max_digits=20, decimal_places=9, null=True, blank=True)
+    cached_input_cost = models.DecimalField(max_digits=20, decimal_places=9, null=True, blank=True)
+    output_cost = models.DecimalField(max_digits=20, decimal_places=9, null=True, blank=True)
+    total_cost = models.DecimalField(max_digits=20, decimal_places=9, null=True, blank=True)
+    currency = models.CharField(max_length=3, blank=True)
+    previous_hash = models.CharField(max_length=64, blank=True, editable=False)
+    entry_hash = models.CharField(max_length=64, blank=True, editable=False)
 
     class Meta:
         ordering = ["-received_at"]
@@ -92,10 +169,42 @@ class UsageEntry(models.Model):
     def total_tokens(self):
         return self.prompt_tokens + self.completion_tokens
 
-    def save(self, *args, **kwargs):
-        if not self._state.adding:
-            raise AppendOnlyError("ledger entries are never changed; add a correcting entry instead")
-        super().save(*args, **kwargs)
+    @property
+    def time_to_first_token(self):
+        if self.first_token_at is None:
+            return None
+        return (self.first_token_at - self.received_at).total_seconds()
 
-    def delete(self, *args, **kwargs):
-        raise AppendOnlyError("ledger entries are never deleted")
+    @property
+    def tokens_per_second(self):
+        if self.first_token_at is None or self.finished_at <= self.first_token_at:
+            return None
+        return self.completion_tokens / (self.finished_at - self.first_token_at).total_seconds()
+
+    def content_hash(self):
+        return content_hash(self)
+
+
+# The fields an entry's hash covers, fixed: a column added later must not change the hashes of
+# the entries already written (a new field joins through a new version of this list).
+HASHED_FIELDS = (
+    "request_id", "kind", "corrects_id", "api_key_id", "user_id", "model", "model_served", "tokenizer",
+    "prompt_tokens", "cached_prompt_tokens", "steering_tokens", "completion_tokens", "usage_source",
+    "finish_reason", "status", "error", "received_at", "started_at", "first_token_at", "finished_at",
+    "price_sheet_id", "input_cost", "cached_input_cost", "output_cost", "total_cost", "currency", "previous_hash",
+)  # fmt: skip
+
+
+def content_hash(entry):
+    """sha256 over the entry's content and the previous entry's hash (any model class with
+    these fields: the migrations use it too)."""
+    text = json.dumps({name: hashable(getattr(entry, name)) for name in HASHED_FIELDS}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def hashable(value):
+    if value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, Decimal):
+        return str(value.quantize(COST_PLACES))
+    return value.isoformat()  # datetimes, stored and read back in UTC

@@ -61,6 +61,7 @@ def record(request_id, meta, usage, message):
         model=meta["model"],
         prompt_tokens=usage["prompt_tokens"],
         completion_tokens=usage["completion_tokens"],
+        usage_source="stream_log",  # the worker is gone: its last deltas say what it produced
         error=message,
         received_at=ledger.as_datetime(received),
         finished_at=ledger.as_datetime(time.time()),

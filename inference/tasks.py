@@ -169,8 +169,11 @@ def record(request_id, requests, model, tokenizer_id, received_at, api_key_id, u
         api_key_id=api_key_id,
         user_id=user_id,
         model=model,
+        model_served=model,
         tokenizer=tokenizer_id,
         prompt_tokens=prompt_tokens(requests),
+        cached_prompt_tokens=requests[0].cached_tokens,  # the prompt is billed once, as choice 0 read it
+        steering_tokens=sum(r.steered_tokens for r in requests),
         completion_tokens=completion_tokens(requests),
         error=errors[0] if errors else "",
         received_at=ledger.as_datetime(received_at),

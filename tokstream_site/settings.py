@@ -68,7 +68,9 @@ def database_from_env():
     if db["ENGINE"].endswith("sqlite3"):
         # The worker and the web server write from separate processes: wait for the lock,
         # and give tests a file they can share with the processes they start.
-        db["OPTIONS"] = {"timeout": 30}
+        # IMMEDIATE: a transaction takes the write lock when it begins, so the ledger's chain
+        # (read the newest hash, then append) has one writer at a time.
+        db["OPTIONS"] = {"timeout": 30, "transaction_mode": "IMMEDIATE"}
         db["TEST"] = {"NAME": str(CACHE_DIR / "test-db.sqlite3")}
     return db
 

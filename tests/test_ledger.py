@@ -1,0 +1,76 @@
+"""The ledger: priced with the sheet in force, chained by hashes, written once per request."""
+
+import threading
+import time
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connection, connections
+from django.utils import timezone
+
+from billing import ledger
+from billing.models import AppendOnlyError, PriceSheet, UsageEntry
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def entry(request_id, **fields):
+    now = time.time()
+    values = dict(model="m", tokenizer="t", prompt_tokens=1000, cached_prompt_tokens=400, completion_tokens=200, received_at=ledger.as_datetime(now), finished_at=ledger.as_datetime(now + 1))
+    return ledger.record(request_id, "stop", **{**values, **fields})
+
+
+def sheet(minutes_ago, input, cached, output):
+    return PriceSheet.objects.create(model="m", input_per_million=Decimal(input), cached_input_per_million=Decimal(cached), output_per_million=Decimal(output), effective_from=timezone.now() - timedelta(minutes=minutes_ago))
+
+
+def test_an_entry_without_a_price_sheet_has_an_unknown_cost_not_zero():
+    assert entry("r-unpriced").total_cost is None
+    assert UsageEntry.objects.get(request_id="r-unpriced").total_cost is None
+
+
+def test_a_new_price_sheet_prices_new_entries_and_leaves_old_ones_alone():
+    sheet(60, "2.50", "1.25", "10")
+    old = entry("r-old")
+    assert (old.input_cost, old.cached_input_cost, old.output_cost) == (Decimal("0.0015"), Decimal("0.0005"), Decimal("0.002"))
+    assert old.total_cost == Decimal("0.004") and old.currency == "USD"
+    sheet(0, "5", "2.5", "20")
+    new = entry("r-new")
+    assert new.total_cost == Decimal("0.008")
+    assert UsageEntry.objects.get(request_id="r-old").total_cost == Decimal("0.004")  # as it was billed
+    with pytest.raises(AppendOnlyError):
+        PriceSheet.objects.first().save()
+
+
+def test_verify_ledger_passes_untouched_and_names_an_edited_entry(capsys):
+    for n in range(3):
+        entry(f"r-chain-{n}")
+    call_command("verify_ledger")
+    assert "ledger verified: 3 entries" in capsys.readouterr().out
+    edited = UsageEntry.objects.get(request_id="r-chain-1")
+    with connection.cursor() as cursor:  # what someone with database access might do
+        cursor.execute("UPDATE billing_usageentry SET completion_tokens = 1 WHERE id = %s", [edited.pk])
+    with pytest.raises(CommandError, match="r-chain-1"):
+        call_command("verify_ledger")
+
+
+def test_two_writers_racing_for_one_request_make_one_entry():
+    results, start = [], threading.Barrier(2)
+
+    def write():
+        start.wait()
+        try:
+            results.append(entry("r-race").pk)
+        finally:
+            connections.close_all()
+
+    writers = [threading.Thread(target=write) for _ in range(2)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    assert UsageEntry.objects.filter(request_id="r-race").count() == 1
+    assert len(results) == 2 and len(set(results)) == 1
+    assert ledger.verify()[1] is None
