@@ -34,13 +34,15 @@ def field(*parts):
     return json.dumps(parts)
 
 
-def observe(pipe, name, model, value):
-    """Count one observation into the histogram's buckets (cumulative, as Prometheus wants)."""
+def observe(pipe, name, model, values):
+    """Count observations into the histogram's buckets (cumulative, as Prometheus wants), one
+    command per bucket however many there are."""
     for bound in (*HISTOGRAMS[name][1], math.inf):
-        if value <= bound:
-            pipe.hincrby(metrics_key(), field(name, model, "bucket", bound), 1)
-    pipe.hincrbyfloat(metrics_key(), field(name, model, "sum"), value)
-    pipe.hincrby(metrics_key(), field(name, model, "count"), 1)
+        count = sum(value <= bound for value in values)
+        if count:
+            pipe.hincrby(metrics_key(), field(name, model, "bucket", bound), count)
+    pipe.hincrbyfloat(metrics_key(), field(name, model, "sum"), sum(values))
+    pipe.hincrby(metrics_key(), field(name, model, "count"), len(values))
 
 
 def record_request(client, model, outcome, timings, gaps, prompt_tokens, completion_tokens):
@@ -48,9 +50,9 @@ def record_request(client, model, outcome, timings, gaps, prompt_tokens, complet
     with client.pipeline(transaction=False) as pipe:
         for name, value in timings.items():
             if value is not None:
-                observe(pipe, name, model, max(value, 0.0))
-        for gap in gaps:
-            observe(pipe, "inter_token_latency_seconds", model, gap)
+                observe(pipe, name, model, [max(value, 0.0)])
+        if gaps:
+            observe(pipe, "inter_token_latency_seconds", model, gaps)
         pipe.hincrby(metrics_key(), field("prompt_tokens", model), prompt_tokens)
         pipe.hincrby(metrics_key(), field("completion_tokens", model), completion_tokens)
         pipe.hincrby(metrics_key(), field("requests", model, outcome), 1)

@@ -48,12 +48,13 @@ def async_client():
     return _async_clients[loop]
 
 
-def append(client, request_id, entry):
-    """Add one entry (a dict) to the request's log and push its expiry, and its metadata's,
-    forward."""
+def append(client, request_id, *entries):
+    """Add entries (dicts) to the request's log in one round trip, and push its expiry, and its
+    metadata's, forward; returns the id of the first."""
     log = key(request_id, "log")
     with client.pipeline(transaction=False) as pipe:
-        pipe.xadd(log, {"e": json.dumps(entry)}, maxlen=settings.TOKSTREAM_LOG_MAXLEN, approximate=True)
+        for entry in entries:
+            pipe.xadd(log, {"e": json.dumps(entry)}, maxlen=settings.TOKSTREAM_LOG_MAXLEN, approximate=True)
         pipe.expire(log, settings.TOKSTREAM_LOG_TTL)
         pipe.expire(key(request_id, "meta"), settings.TOKSTREAM_LOG_TTL)
         return pipe.execute()[0]

@@ -7,6 +7,7 @@ so no client is left waiting.
 import logging
 import queue
 import time
+from dataclasses import dataclass
 
 from celery import shared_task
 
@@ -40,12 +41,14 @@ def generate(request_id, model, prompt_ids, params, received_at, api_key_id=None
             if request.finish_reason is None:
                 request.finish_reason, request.error = "error", f"generation failed: {exc}"
     finally:
+        outcome = Outcome.of(requests)
         try:
-            record(request_id, requests, model, tokenizer_id, received_at, api_key_id, user_id)
+            record(request_id, requests, outcome, model, tokenizer_id, received_at, api_key_id, user_id)
         except Exception:  # the client still gets its end; the operator gets the alarm
             log.critical("no ledger entry could be written for request %s", request_id, exc_info=True)
-        streamlog.append(client, request_id, end_entry(requests))
-        record_metrics(client, model, requests, received_at, gaps)
+        streamlog.append(client, request_id, end_entry(requests, outcome))
+        limits.leave_queue(client, model, request_id)  # when no worker could claim it
+        record_metrics(client, model, outcome, received_at, gaps)
 
 
 def relay(loop, requests, client, tools=False, gaps=None):
@@ -64,8 +67,9 @@ def relay(loop, requests, client, tools=False, gaps=None):
                 if output.index in last_output:
                     gaps.append(now - last_output[output.index])
                 last_output[output.index] = now
-            for entry in log_entries(output, requests, parsers.get(output.index)):
-                streamlog.append(client, requests[0].group, entry)
+            entries = log_entries(output, requests, parsers.get(output.index))
+            if entries:
+                streamlog.append(client, requests[0].group, *entries)
             if output.finished:
                 running -= 1
                 ended_with_calls(requests[output.index], parsers.get(output.index))
@@ -112,7 +116,8 @@ def ended_with_calls(request, parser):
 
 def steer_entry(output, requests):
     """Where steering took effect (or why it did not), and the prompt tokens since."""
-    entry = {"t": "steer", "text": output.steered, "prompt_tokens": prompt_tokens(requests)}
+    # The prompt and all steering so far (the engine counts it as it injects).
+    entry = {"t": "steer", "text": output.steered, "prompt_tokens": len(requests[0].prompt_ids) + sum(r.steered_tokens for r in requests)}
     if output.index:
         entry["i"] = output.index
     if output.error:
@@ -152,60 +157,81 @@ def prompt_tokens(requests):
     return max(r.prefilled - s for r, s in zip(requests, steered)) + sum(steered)
 
 
-def completion_tokens(requests):
-    return sum(len(r.output_ids) for r in requests)
+@dataclass
+class Outcome:
+    """What the ledger, the end of the log and the metrics all say of one finished request."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: str
+    started_at: float | None
+    first_token_at: float | None
+    finished_at: float
+
+    @classmethod
+    def of(cls, requests):
+        errors = [r.error for r in requests if r.error]
+        return cls(
+            finish_reason=finish_reason_of(requests),
+            prompt_tokens=prompt_tokens(requests),
+            completion_tokens=sum(len(r.output_ids) for r in requests),
+            error=errors[0] if errors else "",
+            started_at=earliest(r.started_at for r in requests),
+            first_token_at=earliest(r.first_token_at for r in requests),
+            finished_at=max((r.finished_at or time.time()) for r in requests),
+        )
+
+    def usage(self):
+        total = self.prompt_tokens + self.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
 
 
 def earliest(times):
     times = [t for t in times if t is not None]
-    return ledger.as_datetime(min(times)) if times else None
+    return min(times) if times else None
 
 
-def record(request_id, requests, model, tokenizer_id, received_at, api_key_id, user_id):
-    errors = [r.error for r in requests if r.error]
+def record(request_id, requests, outcome, model, tokenizer_id, received_at, api_key_id, user_id):
     return ledger.record(
         request_id,
-        finish_reason_of(requests),
+        outcome.finish_reason,
         api_key_id=api_key_id,
         user_id=user_id,
         model=model,
         model_served=model,
         tokenizer=tokenizer_id,
-        prompt_tokens=prompt_tokens(requests),
+        prompt_tokens=outcome.prompt_tokens,
         cached_prompt_tokens=requests[0].cached_tokens,  # the prompt is billed once, as choice 0 read it
         steering_tokens=sum(r.steered_tokens for r in requests),
-        completion_tokens=completion_tokens(requests),
-        error=errors[0] if errors else "",
+        completion_tokens=outcome.completion_tokens,
+        error=outcome.error,
         received_at=ledger.as_datetime(received_at),
-        started_at=earliest(r.started_at for r in requests),
-        first_token_at=earliest(r.first_token_at for r in requests),
-        finished_at=ledger.as_datetime(max((r.finished_at or time.time()) for r in requests)),
+        started_at=ledger.as_datetime(outcome.started_at),
+        first_token_at=ledger.as_datetime(outcome.first_token_at),
+        finished_at=ledger.as_datetime(outcome.finished_at),
     )
 
 
-def record_metrics(client, model, requests, received_at, gaps):
-    def since_arrival(times, pick):
-        times = [t for t in times if t is not None]
-        return pick(times) - received_at if times else None
+def record_metrics(client, model, outcome, received_at, gaps):
+    def since_arrival(moment):
+        return None if moment is None else moment - received_at
 
     timings = {
-        "queue_time_seconds": since_arrival((r.started_at for r in requests), min),
-        "time_to_first_token_seconds": since_arrival((r.first_token_at for r in requests), min),
-        "e2e_request_latency_seconds": max((r.finished_at or time.time()) for r in requests) - received_at,
+        "queue_time_seconds": since_arrival(outcome.started_at),
+        "time_to_first_token_seconds": since_arrival(outcome.first_token_at),
+        "e2e_request_latency_seconds": since_arrival(outcome.finished_at),
     }
-    outcome = ledger.STATUS_OF_REASON[finish_reason_of(requests)]
+    status = str(ledger.STATUS_OF_REASON[outcome.finish_reason])
     try:
-        metrics.record_request(client, model, str(outcome), timings, gaps, prompt_tokens(requests), completion_tokens(requests))
+        metrics.record_request(client, model, status, timings, gaps, outcome.prompt_tokens, outcome.completion_tokens)
     except Exception:  # metrics must never cost a request its end
-        log.warning("metrics for request %s were not recorded", requests[0].group, exc_info=True)
+        log.warning("metrics for request %s were not recorded", model, exc_info=True)
 
 
-def end_entry(requests):
+def end_entry(requests, outcome):
     """The last log entry: the same counts the ledger entry was given, and each choice's ending."""
-    prompt, completion = prompt_tokens(requests), completion_tokens(requests)
-    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-    end = {"t": "end", "finish_reasons": [r.finish_reason or "error" for r in requests], "usage": usage}
-    errors = [r.error for r in requests if r.error]
-    if errors:
-        end["error"] = errors[0]
+    end = {"t": "end", "finish_reasons": [r.finish_reason or "error" for r in requests], "usage": outcome.usage()}
+    if outcome.error:
+        end["error"] = outcome.error
     return end

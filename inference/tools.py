@@ -63,6 +63,7 @@ class ToolCallParser:
         self.calls = 0  # calls begun
         self.head = None  # (end of the head in the buffer) once the call's name is known
         self.sent = 0  # argument characters already given out
+        self.space = ""  # blank text after a call: given out only if more text follows
 
     def feed(self, text):
         self.buffer += text
@@ -77,11 +78,20 @@ class ToolCallParser:
         if self.inside and self.head is not None:
             events += self._arguments(self.buffer)
         elif self.inside:
-            events.append(("content", OPEN + self.buffer))
+            events += self._content(OPEN + self.buffer)
         elif self.buffer:
-            events.append(("content", self.buffer))
+            events += self._content(self.buffer)
         self.buffer, self.inside = "", False
         return events
+
+    def _content(self, text):
+        """Text, but blank text next to calls (the newlines between them) only if more follows:
+        a reply of calls alone has no content, as OpenAI's."""
+        if self.calls and not text.strip():
+            self.space += text
+            return []
+        text, self.space = self.space + text, ""
+        return [("content", text)]
 
     def _advance(self, events):
         """One move of the state machine; False when it needs more text."""
@@ -103,7 +113,7 @@ class ToolCallParser:
         at = self.buffer.find(OPEN)
         cut = at if at >= 0 else len(self.buffer) - partial_tail(self.buffer, OPEN)
         if cut:
-            events.append(("content", self.buffer[:cut]))
+            events += self._content(self.buffer[:cut])
         if at < 0:
             self.buffer = self.buffer[cut:]
             return False
@@ -138,5 +148,5 @@ class ToolCallParser:
             call = json.loads(body)
             name, arguments = call["name"], call["arguments"]
         except (ValueError, TypeError, KeyError):
-            return [("content", f"{OPEN}{body}{CLOSE}")]
+            return self._content(f"{OPEN}{body}{CLOSE}")
         return [self._begin(name), ("arguments", self.calls - 1, json.dumps(arguments))]

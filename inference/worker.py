@@ -85,7 +85,7 @@ class EngineLoop(threading.Thread):
     def step(self):
         try:
             return self.engine.step()
-        except Exception as exc:  # the model failed: end the live requests, keep serving
+        except Exception as exc:  # outside the forward pass (which the engine handles itself)
             log.exception("engine step failed")
             return self.engine.fail_all(f"generation failed: {exc}")
 

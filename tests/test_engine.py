@@ -355,3 +355,37 @@ def test_a_long_prompt_is_prefilled_in_chunks_with_the_same_result(model, chunk)
     run(engine)
     assert engine.stats["steps"] >= len(prompt) // chunk
     assert request.output_ids == reference_greedy(model, prompt, 8)
+
+
+def test_steering_a_request_whose_choices_still_wait_reaches_each_choice_once(tokenizer):
+    engine, _ = make_engine(tokenizer, {f"g.{i}": ids(tokenizer, " x" * 20) for i in range(2)}, idle_chunk=4)
+    group = choices("g", [5] * 30, SamplingParams(max_tokens=20, **GREEDY), n=2)
+    engine.add(*group)
+    engine.step()  # the leader prefills in pieces; choice 1 waits for it
+    engine.steer("g", " more")
+    run(engine)
+    assert [r.steered_tokens for r in group] == [1, 1]
+
+
+def test_a_failing_forward_pass_ends_every_request_and_keeps_what_ended_before_it(tokenizer):
+    engine, runner = make_engine(tokenizer, {"a": ids(tokenizer, " x" * 9), "b": ids(tokenizer, " y" * 9)})
+    engine.add(Request("a", [5], SamplingParams(max_tokens=9, **GREEDY)), Request("b", [6], SamplingParams(max_tokens=9, **GREEDY)))
+    engine.step()
+    engine.cancel("a")
+    runner.forward = lambda chunks: 1 / 0
+    endings = {o.request_id: o.finish_reason for o in engine.step() if o.finished}
+    assert endings == {"a": "cancelled", "b": "error"} and not engine.has_work()
+
+
+def test_a_beam_search_ends_cleanly_in_a_full_cache_whose_prefix_another_request_holds(tokenizer):
+    prompt = list(range(100, 120))
+    scripts = {"greedy": ids(tokenizer, " x" * 30), "beams": ids(tokenizer, " y" * 3) + [2]}
+    runner = ScriptedRunner(scripts, len(tokenizer), cache_tokens=5 * 16)  # room for both, not one block more
+    engine = Engine(runner, tokenizer, stop_ids={2}, context_length=64)
+    engine.add(Request("greedy", prompt, SamplingParams(max_tokens=20, **GREEDY)))
+    engine.step()  # its prompt blocks are cached and held
+    engine.add(Request("beams", prompt, SamplingParams(max_tokens=4, beam_width=2)))
+    outputs = run(engine)
+    [beams] = [o for o in outputs if o.request_id == "beams" and o.finished]
+    assert beams.finish_reason == "stop" and beams.error is None
+    assert engine.pool.reserved == 0 and all(n == 0 for n in engine.pool.refs)

@@ -23,7 +23,8 @@ def entry(request_id, **fields):
 
 
 def sheet(minutes_ago, input, cached, output):
-    return PriceSheet.objects.create(model="m", input_per_million=Decimal(input), cached_input_per_million=Decimal(cached), output_per_million=Decimal(output), effective_from=timezone.now() - timedelta(minutes=minutes_ago))
+    prices = dict(input_per_million=Decimal(input), cached_input_per_million=Decimal(cached), output_per_million=Decimal(output))
+    return PriceSheet.objects.create(model="m", effective_from=timezone.now() - timedelta(minutes=minutes_ago), **prices)
 
 
 def test_an_entry_without_a_price_sheet_has_an_unknown_cost_not_zero():

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def request_keys(redis_client):
-    return set(redis_client.scan_iter(match=f"{os.environ['TOKSTREAM_REDIS_PREFIX']}:req:*"))
+    """The keys of every request, and who stands in the model's queue."""
+    keys = set(redis_client.scan_iter(match=f"{os.environ['TOKSTREAM_REDIS_PREFIX']}:req:*"))
+    return keys, set(redis_client.zrange(limits.queue_key(MODEL), 0, -1))
 
 
 def post(service, key, body):

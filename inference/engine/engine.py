@@ -63,6 +63,7 @@ class Request:
     leader: "Request | None" = None  # starts once the leader's prompt is cached, to share it
     beam: BeamSearch | None = None
     beam_tables: list[list[int]] = field(default_factory=list)  # one block table per live beam
+    pending_steers: list[str] = field(default_factory=list)  # steering it takes at its next step
 
     def __post_init__(self):
         self.group = self.group or self.request_id
@@ -158,7 +159,11 @@ class Engine:
         scheduled = self._schedule()
         if scheduled:
             self.stats["steps"] += 1
-            outputs += self._after_step(scheduled, self.runner.forward([chunk for _, chunk in scheduled]))
+            try:
+                outputs += self._after_step(scheduled, self.runner.forward([chunk for _, chunk in scheduled]))
+            except Exception as exc:  # the model failed: end every live request, keep what ended before
+                log.exception("engine step failed")
+                outputs += self.fail_all(f"generation failed: {exc}")
         self._drop_finished()
         return [o for o in outputs if o and (o.text or o.finished or o.steered or o.logprobs or o.error)]
 
@@ -182,13 +187,18 @@ class Engine:
         return [self._finish(r, "cancelled") for r in (*waiting, *running)]
 
     def _apply_steers(self):
+        """Each sequence of the steered request takes the text once: now if it runs, or when
+        it starts (a choice waiting for its leader, a request waiting for room)."""
         with self._lock:
             steers, self._steers = self._steers, []
-        running = [r for r in self.running if r.status is RequestStatus.RUNNING]
-        outputs = [self._inject(r, text) for rid, text in steers for r in running if r.group == rid]
-        with self._lock:  # a request not admitted yet takes its steering once it runs
-            waiting = {r.group for r in self.waiting}
-            self._steers = [(rid, text) for rid, text in steers if rid in waiting] + self._steers
+            for request_id, text in steers:
+                for request in (*self.waiting, *self.running):
+                    if request.group == request_id and request.status is not RequestStatus.FINISHED:
+                        request.pending_steers.append(text)
+        outputs = []
+        for request in self.running:
+            texts, request.pending_steers = request.pending_steers, []
+            outputs += [self._inject(request, text) for text in texts]
         return outputs
 
     def _inject(self, request, text):
@@ -376,7 +386,8 @@ class Engine:
         for table in old:
             self.pool.release(table)
         request.beam_tables = tables
-        self._settle_reservation(request)
+        if tables:  # none left: the search is over, and _free gives the reservation back
+            self._settle_reservation(request)
         computed = len(request.prompt_ids) + len(request.beam.running[0]) - 1 if tables else 0
         if computed % self.pool.block_size:
             last, taken = computed // self.pool.block_size, set()
