@@ -1,6 +1,6 @@
 from django.contrib import admin, messages
 
-from .models import ApiKey, PriceSheet, UsageEntry
+from .models import ApiKey, Budget, PriceSheet, UsageEntry
 
 
 @admin.register(UsageEntry)
@@ -33,6 +33,13 @@ class PriceSheetAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return False
+
+
+@admin.register(Budget)
+class BudgetAdmin(admin.ModelAdmin):
+    list_display = ["__str__", "token_limit", "money_limit", "reserved_tokens", "reserved_money"]
+    list_filter = ["period"]
+    readonly_fields = ["reserved_tokens", "reserved_money"]
 
 
 @admin.register(ApiKey)

@@ -208,3 +208,40 @@ def hashable(value):
     if isinstance(value, Decimal):
         return str(value.quantize(COST_PLACES))
     return value.isoformat()  # datetimes, stored and read back in UTC
+
+
+class Budget(models.Model):
+    """A limit on what a key (or a user, whose keys and chat page it covers) may spend per day
+    or month, and what its admitted, unfinished requests hold against it."""
+
+    class Period(models.TextChoices):
+        DAY = "day"
+        MONTH = "month"
+
+    api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.CASCADE)
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE)
+    period = models.CharField(max_length=5, choices=Period.choices, default=Period.MONTH)
+    token_limit = models.PositiveBigIntegerField(null=True, blank=True, help_text="Prompt plus completion tokens; empty: no limit.")
+    money_limit = models.DecimalField(max_digits=14, decimal_places=6, null=True, blank=True, help_text="Empty: no limit.")
+    reserved_tokens = models.PositiveBigIntegerField(default=0, editable=False)
+    reserved_money = models.DecimalField(max_digits=20, decimal_places=9, default=0, editable=False)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(condition=models.Q(api_key__isnull=False) | models.Q(user__isnull=False), name="budget_has_an_owner"),
+        ]
+
+    def __str__(self):
+        return f"{self.api_key or self.user}: per {self.period}"
+
+    def period_start(self, now):
+        start = now.replace(hour=0, minute=0, second=0, microsecond=0)
+        return start.replace(day=1) if self.period == self.Period.MONTH else start
+
+    def spent(self, now):
+        """(tokens, money) of the ledger's entries for this owner in the current period."""
+        owner = models.Q(api_key=self.api_key) if self.api_key_id else models.Q(user=self.user)
+        totals = UsageEntry.objects.filter(owner, received_at__gte=self.period_start(now)).aggregate(
+            tokens=models.Sum(models.F("prompt_tokens") + models.F("completion_tokens")), money=models.Sum("total_cost")
+        )
+        return totals["tokens"] or 0, totals["money"] or Decimal(0)

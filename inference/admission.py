@@ -1,10 +1,13 @@
 """Admit a checked chat request: count its prompt, reserve its log, queue it for a worker."""
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
 
 from django.conf import settings
+
+from billing import budgets
 
 from . import limits, registry, streamlog, tools
 from .chat_request import checked_max_tokens
@@ -78,34 +81,61 @@ def prompt_ids(chat):
 
 def admit(chat, owner):
     """Raises ApiError before anything is written; afterwards the request is queued."""
-    from .tasks import generate
-
     received_at = time.time()
     ids = prompt_ids(chat)
-    # A sequence never holds more than the worker's whole KV cache, whatever the model allows;
-    # beams must all fit at once.
-    cache_tokens = settings.TOKSTREAM_KV_CACHE_TOKENS // BLOCK_SIZE * BLOCK_SIZE  # as the pool rounds
-    room = min(registry.context_length(chat.model), cache_tokens // chat.sampling["beam_width"])
-    max_tokens = checked_max_tokens(chat, len(ids), room, settings.TOKSTREAM_DEFAULT_MAX_TOKENS)
+    max_tokens = checked_max_tokens(chat, len(ids), room_for(chat), settings.TOKSTREAM_DEFAULT_MAX_TOKENS)
     client = streamlog.sync_client()
     check_served(client, chat.model)
     limits.check_rate(client, owner, len(ids) + max_tokens * chat.n)
     admitted = Admitted(f"chatcmpl-{uuid.uuid4().hex}", chat.model, int(time.time()), len(ids), chat.n, received_at)
+    reservation = hold_budget(owner, chat.model, len(ids), max_tokens * chat.n)
+    try:
+        enqueue(client, chat, admitted, owner, ids, max_tokens, reservation)
+    except Exception:
+        budgets.settle(reservation)
+        raise
+    return admitted
+
+
+def room_for(chat):
+    """A sequence never holds more than the worker's whole KV cache, whatever the model allows;
+    beams must all fit at once."""
+    cache_tokens = settings.TOKSTREAM_KV_CACHE_TOKENS // BLOCK_SIZE * BLOCK_SIZE  # as the pool rounds
+    return min(registry.context_length(chat.model), cache_tokens // chat.sampling["beam_width"])
+
+
+def hold_budget(owner, model, prompt_tokens, completion_tokens):
+    try:
+        return budgets.reserve(owner.api_key_id, owner.user_id, model, prompt_tokens, completion_tokens)
+    except budgets.OverBudget as exc:
+        raise ApiError(429, f"You exceeded your budget: {exc}", type="insufficient_quota", code="insufficient_quota") from None
+
+
+def release_hold(client, request_id, reservation):
+    """Give a request's budget hold back once, whoever ends it (its worker, or a reader that
+    found the worker dead)."""
+    if reservation and reservation["budgets"] and client.set(streamlog.key(request_id, "settled"), "1", nx=True, ex=settings.TOKSTREAM_LOG_TTL + 3600):
+        budgets.settle(reservation)
+
+
+def enqueue(client, chat, admitted, owner, ids, max_tokens, reservation):
+    from .tasks import generate
+
     position = limits.join_queue(client, chat.model, admitted.request_id)
-    streamlog.save_meta(client, admitted.request_id, admitted.meta(owner))
+    streamlog.save_meta(client, admitted.request_id, {**admitted.meta(owner), "reservation": json.dumps(reservation)})
     # The stream opens as OpenAI's does, with the role, and says where the request waits.
     streamlog.append(client, admitted.request_id, {"t": "open", "n": chat.n, "queue_position": position})
-    params = {"max_tokens": max_tokens, **chat.sampling}
     task = {
         "request_id": admitted.request_id,
         "model": chat.model,
         "prompt_ids": ids,
-        "params": params,
+        "params": {"max_tokens": max_tokens, **chat.sampling},
         "n": chat.n,
         "tools": bool(chat.tools),
-        "received_at": received_at,
+        "received_at": admitted.received_at,
         "api_key_id": owner.api_key_id,
         "user_id": owner.user_id,
+        "reservation": reservation,
     }
     try:
         generate.apply_async(kwargs=task, queue="inference")
@@ -113,4 +143,3 @@ def admit(chat, owner):
         client.delete(streamlog.key(admitted.request_id, "meta"), streamlog.key(admitted.request_id, "log"))
         limits.leave_queue(client, chat.model, admitted.request_id)
         raise
-    return admitted

@@ -7,12 +7,14 @@ write finds this row (the request id is unique) and its late entries follow an e
 reads past.
 """
 
+import json
 import logging
 import time
 
 from billing import ledger
 
 from . import limits, metrics, streamlog
+from .admission import release_hold
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,7 @@ def end_abandoned(request_id, message):
     usage = usage_so_far(meta, entries)
     try:
         record(request_id, meta, usage, message)
+        release_hold(client, request_id, json.loads(meta.get("reservation") or "null"))
     except Exception:  # the readers still get their end; the operator gets the alarm
         log.critical("no ledger entry could be written for abandoned request %s", request_id, exc_info=True)
     try:

@@ -15,6 +15,7 @@ from billing import ledger
 from billing.models import UsageEntry
 
 from . import limits, metrics, streamlog
+from .admission import release_hold
 from .engine import SamplingParams, choices
 from .tools import ToolCallParser
 from .worker import engine_loop
@@ -24,7 +25,7 @@ DRAIN_SECONDS = 30
 
 
 @shared_task(name="inference.tasks.generate")
-def generate(request_id, model, prompt_ids, params, received_at, api_key_id=None, user_id=None, n=1, tools=False):
+def generate(request_id, model, prompt_ids, params, received_at, api_key_id=None, user_id=None, n=1, tools=False, reservation=None):
     if UsageEntry.objects.filter(request_id=request_id).exists():
         return  # a second delivery of a request already recorded
     requests = choices(request_id, prompt_ids, SamplingParams(**params), n)
@@ -46,9 +47,17 @@ def generate(request_id, model, prompt_ids, params, received_at, api_key_id=None
             record(request_id, requests, outcome, model, tokenizer_id, received_at, api_key_id, user_id)
         except Exception:  # the client still gets its end; the operator gets the alarm
             log.critical("no ledger entry could be written for request %s", request_id, exc_info=True)
+        release(client, request_id, reservation)
         streamlog.append(client, request_id, end_entry(requests, outcome))
         limits.leave_queue(client, model, request_id)  # when no worker could claim it
         record_metrics(client, model, outcome, received_at, gaps)
+
+
+def release(client, request_id, reservation):
+    try:
+        release_hold(client, request_id, reservation)
+    except Exception:  # the hold stays until an operator frees it; the request still ends
+        log.critical("the budget hold of request %s was not given back", request_id, exc_info=True)
 
 
 def relay(loop, requests, client, tools=False, gaps=None):

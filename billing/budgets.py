@@ -1,0 +1,61 @@
+"""Budgets with reservations: admission holds a request's worst case against every budget of
+its key and user, under a row lock, and its end gives the hold back (the ledger then carries
+what it really cost). So concurrent requests cannot together pass a budget."""
+
+from decimal import Decimal
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from .models import Budget, PriceSheet
+
+
+class OverBudget(Exception):
+    pass
+
+
+def worst_cost(model, prompt_tokens, completion_tokens, now):
+    """The most the request can cost at today's prices (no cache discount); 0 when unpriced."""
+    sheet = PriceSheet.in_force(model, now)
+    if sheet is None:
+        return Decimal(0)
+    return sheet.costs(prompt_tokens, 0, completion_tokens)["total_cost"]
+
+
+def reserve(api_key_id, user_id, model, prompt_tokens, completion_tokens):
+    """Hold the worst case, or raise OverBudget; returns the reservation to settle later."""
+    now = timezone.now()
+    tokens, money = prompt_tokens + completion_tokens, worst_cost(model, prompt_tokens, completion_tokens, now)
+    owners = Q(api_key_id=api_key_id) if api_key_id else Q(pk__in=[])
+    if user_id:
+        owners |= Q(user_id=user_id)
+    with transaction.atomic():
+        budgets = list(Budget.objects.select_for_update().filter(owners).order_by("pk"))
+        for budget in budgets:
+            check(budget, tokens, money, now)
+        for budget in budgets:
+            budget.reserved_tokens += tokens
+            budget.reserved_money += money
+            budget.save(update_fields=["reserved_tokens", "reserved_money"])
+    return {"budgets": [b.pk for b in budgets], "tokens": tokens, "money": str(money)}
+
+
+def check(budget, tokens, money, now):
+    spent_tokens, spent_money = budget.spent(now)
+    if budget.token_limit is not None and spent_tokens + budget.reserved_tokens + tokens > budget.token_limit:
+        raise OverBudget(f"This request could use {tokens} tokens; the {budget.period}ly budget of {budget.token_limit} has {budget.token_limit - spent_tokens - budget.reserved_tokens} left.")
+    if budget.money_limit is not None and spent_money + budget.reserved_money + money > budget.money_limit:
+        raise OverBudget(f"This request could cost {money}; the {budget.period}ly budget of {budget.money_limit} does not have that left.")
+
+
+def settle(reservation):
+    """The request ended (its ledger entry is written): give its hold back."""
+    if not reservation or not reservation["budgets"]:
+        return
+    tokens, money = reservation["tokens"], Decimal(reservation["money"])
+    with transaction.atomic():
+        for budget in Budget.objects.select_for_update().filter(pk__in=reservation["budgets"]).order_by("pk"):
+            budget.reserved_tokens = max(budget.reserved_tokens - tokens, 0)
+            budget.reserved_money = max(budget.reserved_money - money, Decimal(0))
+            budget.save(update_fields=["reserved_tokens", "reserved_money"])
