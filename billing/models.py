@@ -5,8 +5,10 @@ from decimal import Decimal
 
 from django.conf import settings
 from django.db import models
+from django.utils import timezone
 
 KEY_PREFIX = "tsk-"
+SCOPES = {"chat", "ledger:read", "ledger:read:all"}
 
 
 def hash_key(raw):
@@ -21,6 +23,10 @@ class ApiKey(models.Model):
     user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(auto_now_add=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True, help_text="Empty: never.")
+    scopes = models.CharField(
+        max_length=100, default="chat", help_text="Space-separated: chat, ledger:read (its own entries), ledger:read:all."
+    )
     requests_per_minute = models.PositiveIntegerField(null=True, blank=True, help_text="Empty: no limit.")
     tokens_per_minute = models.PositiveIntegerField(
         null=True, blank=True, help_text="Prompt plus max_tokens of each request admitted; empty: no limit."
@@ -30,9 +36,9 @@ class ApiKey(models.Model):
         return f"{self.name} ({self.prefix}…)"
 
     @classmethod
-    def issue(cls, name, user=None):
+    def issue(cls, name, user=None, scopes="chat"):
         """Create a key; the raw key is returned once and never stored."""
-        key = cls(name=name, user=user)
+        key = cls(name=name, user=user, scopes=scopes)
         raw = key.new_secret()
         key.save()
         return key, raw
@@ -44,7 +50,12 @@ class ApiKey(models.Model):
 
     @classmethod
     def authenticate(cls, raw):
-        return cls.objects.filter(key_hash=hash_key(raw), revoked_at__isnull=True).first()
+        """The key, if it exists, is not revoked and has not expired."""
+        live = models.Q(expires_at__isnull=True) | models.Q(expires_at__gt=timezone.now())
+        return cls.objects.filter(live, key_hash=hash_key(raw), revoked_at__isnull=True).first()
+
+    def has_scope(self, scope):
+        return scope in self.scopes.split()
 
     @classmethod
     def from_authorization(cls, header):

@@ -19,6 +19,10 @@ def invalid(message, param=None, code=None):
     return ApiError(400, message, param=param, code=code)
 
 
+def forbidden(scope):
+    return ApiError(403, f"This API key does not have the `{scope}` scope.", code="insufficient_scope")
+
+
 def unauthorized():
     return ApiError(401, "Missing or invalid API key: send `Authorization: Bearer KEY`.", code="invalid_api_key")
 

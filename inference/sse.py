@@ -19,7 +19,7 @@ from billing.models import ApiKey
 from . import chat_request, reaper, streamlog
 from .admission import Admitted, Owner, admit, owned_meta
 from .chunks import EVENT_ID, ChunkWriter, completion, resume_point, sse_frames
-from .errors import ApiError, invalid, too_large, unauthorized
+from .errors import ApiError, forbidden, invalid, too_large, unauthorized
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,8 @@ async def read_body(scope, receive):
 
 async def bearer_owner(scope):
     key = await database_sync_to_async(ApiKey.from_authorization)(header(scope, b"authorization"))
+    if key is not None and not key.has_scope("chat"):
+        raise forbidden("chat")
     return Owner.of_key(key) if key else None
 
 

@@ -17,7 +17,7 @@ from billing.models import ApiKey
 
 from . import chat_request, metrics, registry, streamlog
 from .admission import Owner, admit, owned_meta
-from .errors import ApiError, invalid, too_large, unauthorized
+from .errors import ApiError, forbidden, invalid, too_large, unauthorized
 
 MAX_STEER_CHARS = 8000
 
@@ -32,6 +32,8 @@ def api_key_required(view):
         key = ApiKey.from_authorization(request.headers.get("Authorization", ""))
         if key is None:
             return error_response(unauthorized())
+        if not key.has_scope("chat"):
+            return error_response(forbidden("chat"))
         request.api_key = key
         return view(request, *args, **kwargs)
 
@@ -49,6 +51,8 @@ def api_post(view):
             key = ApiKey.from_authorization(request.headers.get("Authorization", ""))
             if key is None:
                 raise unauthorized()
+            if not key.has_scope("chat"):
+                raise forbidden("chat")
             return view(request, Owner.of_key(key), *args, **kwargs)
         except ApiError as exc:
             return error_response(exc)

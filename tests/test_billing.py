@@ -69,10 +69,10 @@ def test_create_api_key_prints_a_key_that_authenticates(capsys):
 
 @pytest.mark.django_db
 def test_the_admin_creates_a_key_and_shows_it_once(admin_client):
-    response = admin_client.post("/admin/billing/apikey/add/", {"name": "ci"}, follow=True)
+    response = admin_client.post("/admin/billing/apikey/add/", {"name": "ci", "scopes": "chat"}, follow=True)
     shown = [str(m) for m in response.context["messages"] if KEY_PREFIX in str(m)]
     raw = shown[0].split("The new key is ")[1].split(" ")[0]
     key = ApiKey.authenticate(raw)
     assert key.name == "ci" and raw not in admin_client.get(f"/admin/billing/apikey/{key.pk}/change/").content.decode()
-    admin_client.post("/admin/billing/apikey/add/", {"name": "second"})
+    admin_client.post("/admin/billing/apikey/add/", {"name": "second", "scopes": "chat"})
     assert ApiKey.objects.count() == 2  # each add makes its own secret

@@ -26,6 +26,9 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
+    "rest_framework",
+    "django_filters",
+    "drf_spectacular",
     "billing",
     "inference",
 ]
@@ -100,6 +103,9 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "root": {"handlers": ["console"], "level": env_choice("LOG_LEVEL", "INFO", ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])},
 }
+
+REST_FRAMEWORK = {"DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema"}
+SPECTACULAR_SETTINGS = {"TITLE": "tokstream ledger", "VERSION": "1"}
 
 # Celery: the broker is Redis; results travel through the per-request Redis Stream, not a backend.
 CELERY_BROKER_URL = REDIS_URL

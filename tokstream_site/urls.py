@@ -1,7 +1,9 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import path
+from drf_spectacular.views import SpectacularAPIView
 
+from billing import api
 from inference import views
 
 urlpatterns = [
@@ -11,6 +13,9 @@ urlpatterns = [
     path("v1/chat/completions/<str:request_id>/cancel", views.api_cancel, name="api-cancel"),
     path("v1/chat/completions/<str:request_id>/steer", views.api_steer, name="api-steer"),
     path("v1/models", views.models, name="models"),
+    path("api/ledger/entries/", api.Entries.as_view(), name="ledger-entries"),
+    path("api/ledger/daily/", api.Daily.as_view(), name="ledger-daily"),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("healthz", views.healthz, name="healthz"),
     path("metrics", views.prometheus_metrics, name="metrics"),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
