@@ -1,4 +1,16 @@
+import csv
+from datetime import timedelta
+
 from django.contrib import admin, messages
+from django.db.models import Count, F, Sum
+from django.db.models.functions import TruncDate
+from django.http import HttpResponse
+from django.template.response import TemplateResponse
+from django.urls import path
+from django.utils import timezone
+from django.utils.safestring import mark_safe
+
+from . import charts
 
 from .models import ApiKey, Budget, PriceSheet, UsageEntry
 
@@ -6,10 +18,11 @@ from .models import ApiKey, Budget, PriceSheet, UsageEntry
 @admin.register(UsageEntry)
 class UsageEntryAdmin(admin.ModelAdmin):
     list_display = ["request_id", "received_at", "model", "status", "prompt_tokens", "completion_tokens", "total_cost", "currency", "api_key", "user"]
-    list_filter = ["status", "model", "received_at"]
+    list_filter = ["status", "model", "received_at", "api_key", "user"]
     search_fields = ["request_id"]
     date_hierarchy = "received_at"
     list_select_related = ["api_key", "user"]
+    actions = ["export_csv"]
 
     def has_add_permission(self, request):
         return False
@@ -19,6 +32,72 @@ class UsageEntryAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return False
+
+    def changelist_view(self, request, extra_context=None):
+        """The list, with the totals of the rows its filters select."""
+        response = super().changelist_view(request, extra_context)
+        changelist = getattr(response, "context_data", {}).get("cl")
+        if changelist is not None:
+            response.context_data["totals"] = totals(changelist.queryset)
+        return response
+
+    @admin.action(description="Export the selected entries as CSV")
+    def export_csv(self, request, queryset):
+        response = HttpResponse(content_type="text/csv")
+        response["Content-Disposition"] = 'attachment; filename="ledger.csv"'
+        fields = [f.attname for f in UsageEntry._meta.concrete_fields]
+        writer = csv.writer(response)
+        writer.writerow(fields)
+        for entry in queryset.order_by("id"):
+            writer.writerow([getattr(entry, name) for name in fields])
+        return response
+
+    def get_urls(self):
+        usage = path("usage/", self.admin_site.admin_view(self.usage_view), name="billing_usageentry_usage")
+        return [usage, *super().get_urls()]
+
+    def usage_view(self, request):
+        """Tokens and cost per day and model, over the chosen days (30 by default)."""
+        days = chosen_days(request)
+        since = timezone.now() - timedelta(days=days)
+        rows = (
+            UsageEntry.objects.filter(received_at__gte=since)
+            .annotate(day=TruncDate("received_at"))
+            .values("day", "model")
+            .annotate(tokens=Sum(F("prompt_tokens") + F("completion_tokens")), cost=Sum("total_cost"))
+        )
+        labels = [(since + timedelta(days=i + 1)).date().isoformat() for i in range(days)]
+        tokens, cost = per_day(rows, labels, "tokens"), per_day(rows, labels, "cost")
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Usage per day",
+            "days": days,
+            "tokens_chart": mark_safe(charts.stacked_bars(labels, tokens, "Tokens per day")),
+            "cost_chart": mark_safe(charts.stacked_bars(labels, cost, "Cost per day")),
+        }
+        return TemplateResponse(request, "admin/billing/usage.html", context)
+
+
+def chosen_days(request):
+    value = request.GET.get("days", "30")
+    return min(max(int(value), 1), 366) if value.isdigit() else 30
+
+
+def totals(queryset):
+    return queryset.aggregate(
+        entries=Count("id"), prompt_tokens=Sum("prompt_tokens"), completion_tokens=Sum("completion_tokens"), cost=Sum("total_cost")
+    )
+
+
+def per_day(rows, labels, field):
+    """{model: [value per label day]} (unknown cost counts as 0 in the picture)."""
+    series = {}
+    for row in rows:
+        values = series.setdefault(row["model"], [0.0] * len(labels))
+        day = row["day"].isoformat()
+        if day in labels:
+            values[labels.index(day)] += float(row[field] or 0)
+    return series
 
 
 @admin.register(PriceSheet)

@@ -1,0 +1,73 @@
+"""Staff review the ledger in the Django admin: read-only, with totals, CSV and a usage chart."""
+
+import csv
+import io
+import time
+
+import pytest
+from django.db import connections
+from playwright.sync_api import sync_playwright
+
+from billing import ledger
+from billing.models import UsageEntry
+from tests.test_chat_page import CHROMIUM, FLAGS
+
+pytestmark = pytest.mark.django_db(transaction=True)
+CHANGELIST = "/admin/billing/usageentry/"
+
+
+def entries(count, model="m"):
+    now = time.time()
+    for n in range(count):
+        ledger.record(f"r-admin-{model}-{n}", "stop", model=model, tokenizer="t", prompt_tokens=10, completion_tokens=n, received_at=ledger.as_datetime(now), finished_at=ledger.as_datetime(now))
+
+
+def test_the_list_totals_the_filtered_rows_and_refuses_changes(admin_client):
+    entries(3, "a")
+    entries(2, "b")
+    page = " ".join(admin_client.get(CHANGELIST, {"model": "a"}).content.decode().split())
+    assert "3 entries: 30 prompt + 3 completion tokens; cost unknown" in page
+    entry = UsageEntry.objects.first()
+    assert admin_client.get(f"{CHANGELIST}add/").status_code == 403
+    assert admin_client.post(f"{CHANGELIST}{entry.pk}/delete/").status_code == 403
+    assert admin_client.post(f"{CHANGELIST}{entry.pk}/change/", {"prompt_tokens": 1}).status_code == 403
+
+
+def test_the_csv_action_exports_the_selected_rows(admin_client):
+    entries(4)
+    chosen = list(UsageEntry.objects.order_by("id").values_list("pk", flat=True)[:2])
+    response = admin_client.post(CHANGELIST, {"action": "export_csv", "_selected_action": chosen})
+    rows = list(csv.DictReader(io.StringIO(response.content.decode())))
+    assert [int(r["id"]) for r in rows] == chosen and rows[0]["entry_hash"]
+
+
+@pytest.fixture
+def browser(live_service, monkeypatch):
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's loop runs in this thread
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield browser
+        browser.close()
+    connections.close_all()
+
+
+def sign_in(browser, service, username):
+    page = browser.new_page()
+    page.goto(f"{service.url}/admin/login/?next=/admin/billing/usageentry/usage/")
+    page.fill("input[name=username]", username)
+    page.fill("input[name=password]", "pw-for-tests-only")
+    page.click("input[type=submit]")
+    return page
+
+
+def test_the_usage_chart_renders_for_staff_and_no_one_else(browser, live_service, django_user_model):
+    entries(3, "a")
+    entries(2, "b")
+    django_user_model.objects.create_user("staff", password="pw-for-tests-only", is_staff=True)
+    django_user_model.objects.create_user("plain", password="pw-for-tests-only")
+    page = sign_in(browser, live_service, "staff")
+    page.wait_for_selector("#tokens-chart svg")
+    assert page.locator("#tokens-chart svg rect").count() >= 2  # a bar per model on today
+    assert "a" in page.text_content("#tokens-chart") and "b" in page.text_content("#tokens-chart")
+    other = sign_in(browser, live_service, "plain")
+    assert other.locator("#tokens-chart").count() == 0 and "/admin/login/" in other.url
