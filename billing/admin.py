@@ -11,7 +11,6 @@ from django.utils import timezone
 from django.utils.safestring import mark_safe
 
 from . import charts
-
 from .models import ApiKey, Budget, PriceSheet, UsageEntry
 
 

@@ -18,7 +18,8 @@ def stacked_bars(days, series, title):
         for n, (model, values) in enumerate(sorted(series.items())):
             height = values[i] / top * (HEIGHT - 30)
             base -= height
-            parts.append(f'<rect x="{x:.1f}" y="{base:.1f}" width="{slot * 0.8:.1f}" height="{height:.1f}" fill="{COLOURS[n % len(COLOURS)]}"><title>{escape(model)} {escape(day)}: {values[i]:g}</title></rect>')
+            tip = f"<title>{escape(model)} {escape(day)}: {values[i]:g}</title>"
+            parts.append(f'<rect x="{x:.1f}" y="{base:.1f}" width="{slot * 0.8:.1f}" height="{height:.1f}" fill="{COLOURS[n % len(COLOURS)]}">{tip}</rect>')
         parts.append(f'<text x="{x:.1f}" y="{HEIGHT + 14}" font-size="10">{escape(day[5:])}</text>')
     for n, model in enumerate(sorted(series)):
         parts.append(f'<text x="{MARGIN + n * 150}" y="{HEIGHT + 40}" font-size="11" fill="{COLOURS[n % len(COLOURS)]}">■ {escape(model)}</text>')
