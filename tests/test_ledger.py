@@ -7,7 +7,7 @@ from decimal import Decimal
 
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import connection, connections
+from django.db import DatabaseError, connection, connections, transaction
 from django.utils import timezone
 
 from billing import ledger
@@ -51,10 +51,28 @@ def test_verify_ledger_passes_untouched_and_names_an_edited_entry(capsys):
     call_command("verify_ledger")
     assert "ledger verified: 3 entries" in capsys.readouterr().out
     edited = UsageEntry.objects.get(request_id="r-chain-1")
-    with connection.cursor() as cursor:  # what someone with database access might do
-        cursor.execute("UPDATE billing_usageentry SET completion_tokens = 1 WHERE id = %s", [edited.pk])
+    with pytest.raises(DatabaseError, match="append-only"), transaction.atomic():  # the database refuses
+        with connection.cursor() as cursor:
+            cursor.execute("UPDATE billing_usageentry SET completion_tokens = 1 WHERE id = %s", [edited.pk])
+    tamper("UPDATE billing_usageentry SET completion_tokens = 1 WHERE id = %s", [edited.pk])
     with pytest.raises(CommandError, match="r-chain-1"):
         call_command("verify_ledger")
+
+
+def tamper(sql, params):
+    """What someone who can switch the database's guard off might do."""
+    trigger = "billing_usageentry_append_only"
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(f"ALTER TABLE billing_usageentry DISABLE TRIGGER {trigger}")
+            cursor.execute(sql, params)
+            cursor.execute(f"ALTER TABLE billing_usageentry ENABLE TRIGGER {trigger}")
+        else:  # SQLite: drop the trigger, edit, put it back
+            cursor.execute("SELECT sql FROM sqlite_master WHERE name = %s", [trigger])
+            [definition] = cursor.fetchone()
+            cursor.execute(f"DROP TRIGGER {trigger}")
+            cursor.execute(sql, params)
+            cursor.execute(definition)
 
 
 def test_two_writers_racing_for_one_request_make_one_entry():
