@@ -10,7 +10,7 @@ from django.urls import path
 from django.utils import timezone
 from django.utils.safestring import mark_safe
 
-from . import charts
+from . import charts, ledger
 from .models import ApiKey, Budget, PriceSheet, UsageEntry
 
 
@@ -21,7 +21,7 @@ class UsageEntryAdmin(admin.ModelAdmin):
     search_fields = ["request_id"]
     date_hierarchy = "received_at"
     list_select_related = ["api_key", "user"]
-    actions = ["export_csv"]
+    actions = ["export_csv", "reverse_entries"]
 
     def has_add_permission(self, request):
         return False
@@ -50,6 +50,14 @@ class UsageEntryAdmin(admin.ModelAdmin):
         for entry in queryset.order_by("id"):
             writer.writerow([getattr(entry, name) for name in fields])
         return response
+
+    @admin.action(description="Reverse the selected entries (new reversal entries)")
+    def reverse_entries(self, request, queryset):
+        for entry in queryset.filter(kind=UsageEntry.Kind.USAGE):
+            try:
+                ledger.reverse(entry, f"reversed by {request.user.get_username()} in the admin")
+            except ledger.CorrectionError as exc:
+                messages.warning(request, str(exc))
 
     def get_urls(self):
         usage = path("usage/", self.admin_site.admin_view(self.usage_view), name="billing_usageentry_usage")

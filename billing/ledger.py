@@ -1,5 +1,6 @@
 """Writing the ledger: once per request id, whatever the outcome, priced and chained."""
 
+import uuid
 from datetime import datetime, timezone
 
 from django.db import IntegrityError, connection, transaction
@@ -29,7 +30,10 @@ def record(request_id, finish_reason, **fields):
         with transaction.atomic():
             append(entry)
     except IntegrityError:
-        return UsageEntry.objects.get(request_id=request_id)
+        existing = UsageEntry.objects.filter(request_id=request_id).first()
+        if existing is None:  # not a second writer: the row itself was refused
+            raise
+        return existing
     return entry
 
 
@@ -50,6 +54,46 @@ def append(entry):
     entry.previous_hash = UsageEntry.objects.order_by("-id").values_list("entry_hash", flat=True).first() or ""
     entry.entry_hash = entry.content_hash()
     entry.save()
+
+
+CORRECTED_FIELDS = ("prompt_tokens", "cached_prompt_tokens", "steering_tokens", "completion_tokens", "input_cost", "cached_input_cost", "output_cost", "total_cost")
+
+
+class CorrectionError(Exception):
+    pass
+
+
+def reverse(entry, reason):
+    """A reversal entry: the entry's counts and costs negated, so every total nets it out."""
+    if UsageEntry.objects.filter(corrects=entry, kind=UsageEntry.Kind.REVERSAL).exists():
+        raise CorrectionError(f"entry {entry.request_id} is already reversed")
+    changes = {name: -getattr(entry, name) for name in CORRECTED_FIELDS if getattr(entry, name) is not None}
+    return correct(entry, UsageEntry.Kind.REVERSAL, reason, changes)
+
+
+def adjust(entry, reason, **changes):
+    """An adjustment entry: signed changes to the entry's counts or costs."""
+    unknown = set(changes) - set(CORRECTED_FIELDS)
+    if unknown:
+        raise CorrectionError(f"not a count or cost of an entry: {', '.join(sorted(unknown))}")
+    return correct(entry, UsageEntry.Kind.ADJUSTMENT, reason, changes)
+
+
+def correct(entry, kind, reason, changes):
+    if entry.kind != UsageEntry.Kind.USAGE:
+        raise CorrectionError("only usage entries are corrected; correct the usage entry itself")
+    now = datetime.now(tz=timezone.utc)
+    counts = {name: 0 for name in ("prompt_tokens", "completion_tokens")}
+    correction = UsageEntry(
+        request_id=f"{kind}-{uuid.uuid4().hex[:8]}-{entry.request_id}"[:64], kind=kind, corrects=entry,
+        api_key_id=entry.api_key_id, user_id=entry.user_id, model=entry.model, model_served=entry.model_served,
+        tokenizer=entry.tokenizer, usage_source="correction", finish_reason=entry.finish_reason, status=entry.status,
+        error=reason, received_at=entry.received_at, finished_at=now, price_sheet_id=entry.price_sheet_id,
+        currency=entry.currency, **{**counts, **changes},
+    )  # fmt: skip
+    with transaction.atomic():
+        append(correction)
+    return correction
 
 
 def verify():

@@ -147,10 +147,12 @@ class UsageEntry(AppendOnly):
     model = models.CharField(max_length=100)
     tokenizer = models.CharField(max_length=120, help_text="Tokenizer name and a hash of its files.")
     model_served = models.CharField(max_length=100, blank=True)
-    prompt_tokens = models.PositiveIntegerField(help_text="Ids fed to the model, steering included.")
-    cached_prompt_tokens = models.PositiveIntegerField(default=0, help_text="Of those, served from the prefix cache.")
-    steering_tokens = models.PositiveIntegerField(default=0, help_text="Of those, injected while it ran.")
-    completion_tokens = models.PositiveIntegerField(help_text="Ids the model produced.")
+    # Signed, so that a correction can take back: a usage entry's counts are never negative
+    # (a constraint says so), a reversal's are the negated counts of the entry it reverses.
+    prompt_tokens = models.IntegerField(help_text="Ids fed to the model, steering included.")
+    cached_prompt_tokens = models.IntegerField(default=0, help_text="Of those, served from the prefix cache.")
+    steering_tokens = models.IntegerField(default=0, help_text="Of those, injected while it ran.")
+    completion_tokens = models.IntegerField(help_text="Ids the model produced.")
     usage_source = models.CharField(max_length=20, default="engine_ids", help_text="How the counts were obtained.")
     finish_reason = models.CharField(max_length=20)
     status = models.CharField(max_length=20, choices=Status.choices)
@@ -172,6 +174,14 @@ class UsageEntry(AppendOnly):
     class Meta:
         ordering = ["-received_at"]
         verbose_name_plural = "usage entries"
+        constraints = [
+            models.CheckConstraint(
+                condition=~models.Q(kind="usage")
+                | models.Q(prompt_tokens__gte=0, completion_tokens__gte=0, cached_prompt_tokens__gte=0, steering_tokens__gte=0),
+                name="usage_counts_are_not_negative",
+            ),
+            models.CheckConstraint(condition=models.Q(kind="usage") | models.Q(corrects__isnull=False), name="a_correction_names_its_entry"),
+        ]
 
     def __str__(self):
         return self.request_id

@@ -7,7 +7,8 @@ from decimal import Decimal
 
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import DatabaseError, connection, connections, transaction
+from django.db import DatabaseError, IntegrityError, connection, connections, transaction
+from django.db.models import Sum
 from django.utils import timezone
 
 from billing import ledger
@@ -93,3 +94,24 @@ def test_two_writers_racing_for_one_request_make_one_entry():
     assert UsageEntry.objects.filter(request_id="r-race").count() == 1
     assert len(results) == 2 and len(set(results)) == 1
     assert ledger.verify()[1] is None
+
+
+def test_a_reversal_nets_an_entry_out_of_every_total_and_keeps_the_chain():
+    sheet(60, "2.50", "1.25", "10")
+    original = entry("r-reversed")
+    reversal = ledger.reverse(original, "billed twice by mistake")
+    assert (reversal.kind, reversal.corrects, reversal.prompt_tokens, reversal.total_cost) == ("reversal", original, -1000, Decimal("-0.004"))
+    totals = UsageEntry.objects.aggregate(tokens=Sum("prompt_tokens"), cost=Sum("total_cost"))
+    assert totals == {"tokens": 0, "cost": Decimal(0)}
+    with pytest.raises(ledger.CorrectionError):
+        ledger.reverse(original, "again")
+    adjustment = ledger.adjust(original, "the vendor counted 12 more", prompt_tokens=12)
+    assert adjustment.kind == "adjustment" and UsageEntry.objects.aggregate(t=Sum("prompt_tokens"))["t"] == 12
+    with pytest.raises(ledger.CorrectionError):
+        ledger.adjust(original, "nonsense", colour=1)
+    assert ledger.verify() == (3, None)
+
+
+def test_the_database_refuses_a_usage_entry_with_negative_counts():
+    with pytest.raises(IntegrityError):
+        entry("r-negative", prompt_tokens=-1)

@@ -40,5 +40,5 @@ def unguard(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-    dependencies = [("billing", "0005_key_scopes_and_expiry")]
+    dependencies = [("billing", "0006_signed_corrections")]
     operations = [migrations.RunPython(guard, unguard)]
