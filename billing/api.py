@@ -80,9 +80,12 @@ def filtered(request):
 
 
 class EntrySerializer(serializers.ModelSerializer):
+    time_to_first_token = serializers.FloatField(read_only=True, help_text="Seconds from arrival to the first token.")
+    tokens_per_second = serializers.FloatField(read_only=True, help_text="Completion tokens over the time after the first.")
+
     class Meta:
         model = UsageEntry
-        fields = [f.name for f in UsageEntry._meta.concrete_fields]
+        fields = [f.name for f in UsageEntry._meta.concrete_fields] + ["time_to_first_token", "tokens_per_second"]
 
 
 class EntryPages(pagination.CursorPagination):

@@ -88,3 +88,14 @@ def test_a_key_without_the_chat_scope_cannot_chat(client):
     _, auth = key_with("ledger:read")
     response = client.get("/v1/models", **auth)
     assert response.status_code == 403 and response.json()["error"]["code"] == "insufficient_scope"
+
+
+def test_entries_carry_their_time_to_first_token_and_tokens_per_second(client):
+    key, auth = key_with("ledger:read")
+    now = time.time()
+    ledger.record(
+        "r-timed", "stop", api_key=key, model="m", tokenizer="t", prompt_tokens=5, completion_tokens=10,
+        received_at=ledger.as_datetime(now), first_token_at=ledger.as_datetime(now + 0.5), finished_at=ledger.as_datetime(now + 1.5),
+    )  # fmt: skip
+    [row] = client.get(URL, **auth).json()["results"]
+    assert row["time_to_first_token"] == pytest.approx(0.5, abs=1e-5) and row["tokens_per_second"] == pytest.approx(10.0, rel=1e-4)
