@@ -13,6 +13,7 @@ from urllib.parse import parse_qs
 from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from django.conf import settings
+from django.db import close_old_connections
 
 from billing.models import ApiKey
 
@@ -227,7 +228,17 @@ class ChatCompletions:
         if owner is None:
             raise unauthorized()
         chat = chat_request.parse(await read_body(scope, receive), header(scope, b"content-type"))
-        return chat, await sync_to_async(admit, thread_sensitive=False)(chat, owner)
+        return chat, await sync_to_async(admit_in_pool, thread_sensitive=False)(chat, owner)
+
+
+def admit_in_pool(chat, owner):
+    """Admission in a pool thread (tokenizing must not hold up other requests); its database
+    connection (the budget holds) is checked before use and closed after, as a request's is."""
+    close_old_connections()
+    try:
+        return admit(chat, owner)
+    finally:
+        close_old_connections()
 
 
 class CompletionEvents:
