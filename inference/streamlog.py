@@ -117,26 +117,35 @@ async def add_reader(client, request_id, delta):
 
 
 def steer(client, request_id, text):
+    """Queue steering text, and raise the request's flag: the worker reads flags every step
+    and lists only when flagged."""
     queue = key(request_id, "steer")
     with client.pipeline(transaction=True) as pipe:
         pipe.rpush(queue, text)
         pipe.expire(queue, settings.TOKSTREAM_LOG_TTL)
+        pipe.set(key(request_id, "steered"), "1", ex=settings.TOKSTREAM_LOG_TTL)
         pipe.execute()
 
 
 def signals_among(client, request_ids):
     """Which of these live requests were asked to stop, and the steering sent to each since
-    the last look: one round trip per engine step."""
+    the last look: one MGET per engine step, and a second round trip only when steered."""
     if not request_ids:
         return set(), {}
+    flags = client.mget([key(r, kind) for r in request_ids for kind in ("cancel", "steered")])
+    cancelled = {r for r, flag in zip(request_ids, flags[::2]) if flag}
+    steered = [r for r, flag in zip(request_ids, flags[1::2]) if flag]
+    return cancelled, take_steering(client, steered) if steered else {}
+
+
+def take_steering(client, request_ids):
     with client.pipeline(transaction=True) as pipe:
-        pipe.mget([key(r, "cancel") for r in request_ids])
         for request_id in request_ids:
+            pipe.delete(key(request_id, "steered"))
             pipe.lrange(key(request_id, "steer"), 0, -1)
             pipe.delete(key(request_id, "steer"))
-        flags, *steering = pipe.execute()
-    cancelled = {r for r, flag in zip(request_ids, flags) if flag}
-    return cancelled, {r: texts for r, texts in zip(request_ids, steering[::2]) if texts}
+        replies = pipe.execute()
+    return {r: texts for r, texts in zip(request_ids, replies[1::3]) if texts}
 
 
 def heartbeat(client, worker_id, model, running=0, waiting=0):

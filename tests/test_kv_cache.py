@@ -20,7 +20,7 @@ def test_a_reservation_is_never_taken_by_someone_else():
 
 def test_cached_blocks_are_reused_until_space_is_needed():
     p = pool(3)
-    p.reserve(2)
+    assert p.reserve(2)
     blocks = [p.allocate(), p.allocate()]
     hashes = block_hashes([1, 2, 3, 4], 2)
     for block, digest in zip(blocks, hashes):
@@ -29,14 +29,14 @@ def test_cached_blocks_are_reused_until_space_is_needed():
     assert p.available() == 3  # cached but idle: still available
     assert p.lookup(hashes) == blocks and p.available() == 1
     p.release(blocks)
-    p.reserve(3)
+    assert p.reserve(3)
     assert sorted(p.allocate() for _ in range(3)) == [0, 1, 2]  # evicted to make room
     assert p.lookup(hashes) == []
 
 
 def test_a_lookup_does_not_take_blocks_promised_to_a_reservation():
     p = pool(2)
-    p.reserve(1)
+    assert p.reserve(1)
     block = p.allocate()
     p.register(block, block_hashes([7, 8], 2)[0])
     p.release([block])
@@ -51,12 +51,12 @@ def test_hashes_cover_everything_before_their_block():
 
 def test_eviction_takes_a_cached_chain_from_its_tail():
     p = pool(3)
-    p.reserve(3)
+    assert p.reserve(3)
     blocks = [p.allocate() for _ in range(3)]
     hashes = block_hashes([1, 2, 3, 4, 5, 6], 2)
     for block, digest in reversed(list(zip(blocks, hashes))):  # as the engine registers them
         p.register(block, digest)
     p.release(blocks)
-    p.reserve(1)
+    assert p.reserve(1)
     p.allocate()  # evicts one cached block
     assert p.lookup(hashes) == blocks[:2]  # the head of the chain is still there

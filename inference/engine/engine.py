@@ -64,6 +64,7 @@ class Request:
     beam: BeamSearch | None = None
     beam_tables: list[list[int]] = field(default_factory=list)  # one block table per live beam
     pending_steers: list[str] = field(default_factory=list)  # steering it takes at its next step
+    prompt_hashes: list[str] | None = None  # of the prompt's full blocks, for the prefix cache
 
     def __post_init__(self):
         self.group = self.group or self.request_id
@@ -251,7 +252,9 @@ class Engine:
         """Reuse cached prefix blocks, then reserve the rest of the worst case."""
         prompt, worst = request.prompt_ids, self._worst_case(request)
         # The last prompt token is always computed: its logits give the first output token.
-        cached = self.pool.lookup(block_hashes(prompt[:-1], self.pool.block_size))
+        if request.prompt_hashes is None:  # once: a head that waits for room asks every step
+            request.prompt_hashes = block_hashes(prompt[:-1], self.pool.block_size)
+        cached = self.pool.lookup(request.prompt_hashes)
         if not self.pool.reserve(worst - len(cached)):
             self.pool.release(cached)
             return False
