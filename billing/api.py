@@ -11,7 +11,7 @@ import json
 
 import django_filters
 from django.contrib.auth.models import AnonymousUser
-from django.db.models import Count, Max, Sum
+from django.db.models import Count, Sum
 from django.db.models.functions import TruncDate
 from django.http import StreamingHttpResponse
 from rest_framework import authentication, exceptions, pagination, permissions, renderers, serializers
@@ -127,9 +127,8 @@ class Entries(LedgerView):
 
 
 def export(request, entries, renderer):
-    newest = entries.aggregate(newest=Max("id"))["newest"] or 0
-    snapshot = entries.filter(id__lte=newest).order_by("id")
-    last_hash = snapshot.values_list("entry_hash", flat=True).last() or ""
+    newest_id, last_hash = entries.order_by("-id").values_list("id", "entry_hash").first() or (0, "")
+    snapshot = entries.filter(id__lte=newest_id).order_by("id")
     rows = (EntrySerializer(entry).data for entry in snapshot.iterator(chunk_size=EXPORT_CHUNK))
     lines = csv_lines(rows) if renderer.format == "csv" else (json.dumps(row) + "\n" for row in rows)
     response = StreamingHttpResponse(lines, content_type=renderer.media_type)
