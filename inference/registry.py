@@ -16,7 +16,15 @@ def exists(name):
 
 
 def folder(name):
-    return loader.resolve_folder(name, settings.TOKSTREAM_MODELS[name], settings.TOKSTREAM_MODEL_CACHE)
+    entry = settings.TOKSTREAM_MODELS[name]
+    if is_echo(name):
+        return folder(entry["tokenizer"])
+    return loader.resolve_folder(name, entry, settings.TOKSTREAM_MODEL_CACHE)
+
+
+def is_echo(name):
+    """The echo model (inference/engine/echo.py) replies with the user's words: for tests and benchmarks."""
+    return settings.TOKSTREAM_MODELS[name]["source"] == "echo"
 
 
 @functools.cache
@@ -47,4 +55,6 @@ def devices():
 
 def load(name, device=None):
     """The model on `device` (by default the first of TOKSTREAM_DEVICE's)."""
+    if is_echo(name):
+        return loader.load_echo(name, folder(name), settings.TOKSTREAM_MODELS[name].get("step_ms", 0) / 1000)
     return loader.load(name, folder(name), device or devices()[0], settings.TOKSTREAM_DTYPE)

@@ -32,7 +32,14 @@ class ClientGone(Exception):
 # A comment line alone, without the blank line that ends an event: once a stream has sent an
 # id, the openai SDK turns any blank line into an event and fails on its empty data.
 KEEPALIVE = b": keep-alive\n"
-RETRY = b"retry: 3000\n"  # on the first event, for the same reason
+
+
+def retry_hint():
+    """Sent on the first event (a lone `retry:` block trips the openai SDK, as above). The
+    browser must come back well within the grace before an abandoned request is cancelled."""
+    milliseconds = min(3000, max(500, settings.TOKSTREAM_ABANDON_SECONDS * 500))
+    return f"retry: {milliseconds}\n".encode()
+
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -180,7 +187,7 @@ async def relay_sse(send, client, writer, admitted, last_event_id=""):
     last_id, skip = resume_point(last_event_id) if last_event_id else ("0-0", 0)
     headers = [*SSE_HEADERS, (b"x-request-id", admitted.request_id.encode())]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
-    retry = RETRY
+    retry = retry_hint()
     async for entry_id, entry in entries(client, admitted, last_id, on_idle=lambda: body(KEEPALIVE)):
         await body(retry + sse_frames(entry_id, writer.chunks(entry), done=entry["t"] == "end", skip=skip))
         retry, skip = b"", 0

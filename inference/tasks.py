@@ -14,7 +14,7 @@ from celery import shared_task
 from billing import ledger
 from billing.models import UsageEntry
 
-from . import limits, metrics, streamlog
+from . import chats, limits, metrics, streamlog
 from .admission import release_hold
 from .engine import SamplingParams, choices
 from .tools import ToolCallParser
@@ -51,6 +51,14 @@ def generate(request_id, model, prompt_ids, params, received_at, api_key_id=None
         streamlog.append(client, request_id, end_entry(requests, outcome))
         limits.leave_queue(client, model, request_id)  # when no worker could claim it
         record_metrics(client, model, outcome, received_at, gaps)
+        keep_chat_reply(request_id)
+
+
+def keep_chat_reply(request_id):
+    try:
+        chats.settle_request(request_id)
+    except Exception:  # the page settles it too when it next reads the chat
+        log.warning("the chat reply of request %s was not saved", request_id, exc_info=True)
 
 
 def release(client, request_id, reservation):

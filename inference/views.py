@@ -1,23 +1,19 @@
-"""Plain Django views: the model list, health, the chat page and its session endpoints."""
+"""Plain Django views: the model list, health, metrics, and cancel and steer by request id."""
 
 import functools
 import json
 
-from django.conf import settings
-from django.contrib.auth.decorators import login_required
-from django.core.exceptions import RequestDataTooBig
 from django.db import connection
 from django.http import HttpResponse, JsonResponse
-from django.shortcuts import render
 from django.views.decorators.csrf import csrf_exempt
-from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from billing.models import ApiKey
 
-from . import chat_request, metrics, registry, streamlog
-from .admission import Owner, admit, owned_meta
-from .errors import ApiError, forbidden, invalid, too_large, unauthorized
+from . import metrics, registry, streamlog
+from .admission import Owner, owned_meta
+from .errors import ApiError, forbidden, invalid, unauthorized
 
 MAX_STEER_CHARS = 8000
 
@@ -103,35 +99,6 @@ def workers_ok():
     if not served:
         raise RuntimeError("no worker has a model loaded")
     return {"models": served}
-
-
-@login_required
-def chat_page(request):
-    return render(request, "chat.html", {"models": registry.names()})
-
-
-@login_required
-@require_POST
-def chat_create(request):
-    """The page's POST: same checks and queue as the API, owned by the session's user."""
-    try:
-        chat = chat_request.parse(request.body, request.content_type)
-        admitted = admit(chat, Owner(user_id=request.user.pk))
-    except RequestDataTooBig:
-        return error_response(too_large(settings.TOKSTREAM_MAX_BODY_BYTES))
-    except ApiError as exc:
-        return error_response(exc)
-    events_url = f"/v1/chat/completions/{admitted.request_id}/events"
-    return JsonResponse({"id": admitted.request_id, "events_url": events_url, "prompt_tokens": admitted.prompt_tokens})
-
-
-@login_required
-@require_POST
-def chat_cancel(request, request_id):
-    try:
-        return cancel(Owner(user_id=request.user.pk), request_id)
-    except ApiError as exc:
-        return error_response(exc)
 
 
 @api_post

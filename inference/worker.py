@@ -120,7 +120,7 @@ def start_loops(name):
     """One engine per device (every GPU, with TOKSTREAM_DEVICE=auto): a model small enough
     for one GPU serves from all of them."""
     loops = []
-    for device in registry.devices():
+    for device in ["cpu"] if registry.is_echo(name) else registry.devices():
         lm = registry.load(name, device)
         loops.append(EngineLoop(lm, build_engine(lm), streamlog.sync_client()))
         loops[-1].start()

@@ -1,148 +1,30 @@
-// The chat page: post a message, follow its events with EventSource, and paint the deltas at
-// most once per animation frame. Text is appended as text nodes, never parsed as HTML.
+// The chat page. A reply follows its request's events with EventSource: messages only append
+// to a queue, and one animation frame paints whatever arrived since the last.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const log = $("log");
 const prompt = $("prompt");
-const history = [];
-let current = null;
+// Text reads smoothly at ~30 paints a second; painting every frame would only add layouts.
+const PAINT_EVERY_MS = 28;
+const state = { chat: JSON.parse($("chat-data").textContent), reply: null, following: true };
+
+// -- talking to the server ---------------------------------------------------------------
 
 function csrfToken() {
   return document.querySelector("[name=csrfmiddlewaretoken]").value;
 }
 
-function postJSON(url, payload) {
-  return fetch(url, {
-    method: "POST",
-    headers: { "Content-Type": "application/json", "X-CSRFToken": csrfToken() },
-    body: JSON.stringify(payload),
-    credentials: "same-origin",
-  });
-}
-
-function atBottom() {
-  return log.scrollHeight - log.scrollTop - log.clientHeight < 24;
-}
-
-function addTurn(role, text) {
-  const turn = document.createElement("div");
-  turn.className = `turn ${role}`;
-  const body = document.createElement("span");
-  body.className = "body";
-  body.textContent = text;
-  turn.append(body);
-  const follow = atBottom();
-  log.append(turn);
-  if (follow) log.scrollTop = log.scrollHeight;
-  return turn;
-}
-
-function setStatus(text) {
-  $("status").textContent = text;
-}
-
-function setBusy(busy) {
-  $("send").disabled = busy;
-  $("stop").disabled = !busy;
-}
-
-class ReplyStream {
-  constructor(turn, sentAt) {
-    this.turn = turn;
-    this.body = turn.querySelector(".body");
-    this.sentAt = sentAt;
-    this.firstAt = null;
-    this.tokens = 0;
-    this.pending = "";
-    this.text = "";
-    this.frame = 0;
-    this.finishReason = null;
-  }
-
-  open(url) {
-    this.source = new EventSource(url);
-    this.source.onmessage = (event) => this.onMessage(event.data);
-    this.source.onerror = () => {
-      if (this.source.readyState === EventSource.CLOSED) this.finish("the connection was closed");
-    };
-  }
-
-  onMessage(data) {
-    if (data === "[DONE]") return this.finish();
-    const chunk = JSON.parse(data);
-    if (chunk.error) return this.fail(chunk.error.message);
-    if (chunk.choices.length === 0 && chunk.usage) return this.showUsage(chunk.usage);
-    const choice = chunk.choices[0];
-    if (chunk.usage && chunk.usage.completion_tokens) this.tokens = chunk.usage.completion_tokens;
-    if (choice.delta.content) this.append(choice.delta.content);
-    if (choice.finish_reason) this.finishReason = choice.finish_reason;
-  }
-
-  append(text) {
-    if (this.firstAt === null) this.firstAt = performance.now();
-    this.pending += text;
-    if (!this.frame) this.frame = requestAnimationFrame(() => this.flush());
-  }
-
-  flush() {
-    this.frame = 0;
-    if (this.pending) {
-      const follow = atBottom();
-      this.body.append(this.pending); // a text node: model output never becomes markup
-      this.text += this.pending;
-      this.pending = "";
-      if (follow) log.scrollTop = log.scrollHeight;
-    }
-    this.showRate();
-  }
-
-  showRate() {
-    if (this.firstAt === null) return;
-    $("ttft").textContent = `${Math.round(this.firstAt - this.sentAt)} ms`;
-    const seconds = (performance.now() - this.firstAt) / 1000;
-    if (this.tokens > 1 && seconds > 0) $("rate").textContent = ((this.tokens - 1) / seconds).toFixed(1);
-  }
-
-  showUsage(usage) {
-    const line = `${usage.prompt_tokens} prompt + ${usage.completion_tokens} completion = ${usage.total_tokens} tokens`;
-    $("usage").textContent = line;
-    const meta = document.createElement("span");
-    meta.className = "meta";
-    meta.textContent = `${line} · ${$("ttft").textContent} to first token · ${$("rate").textContent} tokens/s`;
-    this.turn.append(meta);
-    this.turn.dataset.usage = JSON.stringify(usage);
-  }
-
-  fail(message) {
-    this.turn.classList.add("error");
-    this.body.append(`\n[error: ${message}]`);
-  }
-
-  finish(problem) {
-    if (this.done) return;
-    this.done = true;
-    this.source.close();
-    if (this.frame) cancelAnimationFrame(this.frame);
-    this.flush();
-    if (problem) this.fail(problem);
-    this.turn.dataset.finishReason = this.finishReason || "";
-    history.push({ role: "assistant", content: this.text });
-    setStatus(this.finishReason === "cancelled" ? "stopped" : "done");
-    setBusy(false);
-    current = null;
-  }
-}
-
-function cancelUrl(id) {
-  return `/api/chat/completions/${id}/cancel`;
-}
-
-// Queue the reply on the server; resolves to {id, events_url} or throws with a message to show.
-async function admitReply(payload) {
+// POST JSON; resolves to the answer's JSON, or throws an Error with the message to show.
+async function post(url, payload) {
   let response;
   try {
-    response = await postJSON("/api/chat/completions", payload);
+    response = await fetch(url, {
+      method: "POST",
+      headers: { "Content-Type": "application/json", "X-CSRFToken": csrfToken() },
+      body: JSON.stringify(payload),
+      credentials: "same-origin",
+    });
   } catch {
     throw new Error("The server could not be reached.");
   }
@@ -152,59 +34,482 @@ async function admitReply(payload) {
   return answer;
 }
 
-async function send() {
-  const content = prompt.value.trim();
-  if (!content || current) return;
-  prompt.value = "";
-  history.push({ role: "user", content });
-  addTurn("user", content);
-  const turn = addTurn("assistant", "");
-  setBusy(true);
-  setStatus("generating");
-  $("ttft").textContent = $("rate").textContent = $("usage").textContent = "–";
-  current = { id: null, stopRequested: false, stream: new ReplyStream(turn, performance.now()) };
-  let answer;
-  try {
-    answer = await admitReply({
-      model: $("model").value,
-      messages: history,
-      temperature: Number($("temperature").value),
-      max_tokens: Number($("max-tokens").value),
-      stream: true,
-    });
-  } catch (error) {
-    history.pop();
-    turn.classList.add("error");
-    turn.querySelector(".body").textContent = error.message;
-    setStatus("error");
-    current = null;
-    return setBusy(false);
-  }
-  current.id = answer.id;
-  current.stream.open(answer.events_url);
-  if (current.stopRequested) stop();
+async function fetchChat(id) {
+  const response = await fetch(`/api/chats/${id}`, { credentials: "same-origin" });
+  if (!response.ok) throw new Error(`${response.status} ${response.statusText}`);
+  return response.json();
 }
 
+function parameters() {
+  const params = { model: $("model").value, temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value) };
+  if ($("seed").value !== "") params.seed = Number($("seed").value);
+  const tools = $("tools").value.trim();
+  if (tools) params.tools = JSON.parse(tools); // checked by checkTools before sending
+  return params;
+}
+
+function checkTools() {
+  const tools = $("tools").value.trim();
+  if (!tools) return null;
+  try {
+    if (!Array.isArray(JSON.parse(tools))) return "Tools must be a JSON array of tool definitions.";
+  } catch (error) {
+    return `Tools are not valid JSON: ${error.message}`;
+  }
+  return null;
+}
+
+// -- the view ------------------------------------------------------------------------------
+
+function atBottom() {
+  return log.scrollHeight - log.scrollTop - log.clientHeight < 24;
+}
+
+// New text is followed only while the reader is at the bottom (as of their last scroll);
+// otherwise a button offers to jump there. Called after a frame's writes: its one layout read.
+function keepInView() {
+  if (state.following) log.scrollTop = log.scrollHeight;
+  else $("jump").hidden = false;
+}
+
+function jumpToLatest() {
+  state.following = true;
+  keepInView();
+}
+
+function onScroll() {
+  state.following = atBottom();
+  if (state.following) $("jump").hidden = true;
+}
+
+// Only changes reach the polite status region, so it announces each state once.
+function setStatus(text) {
+  if ($("status").textContent !== text) $("status").textContent = text;
+}
+
+function setBusy(busy) {
+  $("send").disabled = busy;
+  $("stop").disabled = !busy;
+  $("steer-form").hidden = !busy;
+  log.setAttribute("aria-busy", String(busy));
+  for (const button of log.querySelectorAll(".regenerate")) button.disabled = busy;
+}
+
+function element(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function addUserTurn(turn) {
+  const node = element("article", "turn user");
+  node.dataset.turnId = turn.id || "";
+  node.append(element("div", "body", turn.content));
+  log.append(node);
+  return node;
+}
+
+function addReplyTurn(turn) {
+  const node = element("article", "turn assistant");
+  node.dataset.turnId = turn.id || "";
+  node.append(element("div", "body"), element("div", "tool-calls"), element("footer", "meta"));
+  log.append(node);
+  return node;
+}
+
+function formatCost(usage) {
+  if (usage.cost === null || usage.cost === undefined) return "cost unknown";
+  return `${usage.cost} ${usage.currency || ""}`.trim();
+}
+
+function usageLine(usage) {
+  return `${usage.prompt_tokens} prompt + ${usage.completion_tokens} completion = ${usage.total_tokens} tokens · ${formatCost(usage)}`;
+}
+
+function timingLine(usage) {
+  const parts = [];
+  if (usage.time_to_first_token_ms !== null) parts.push(`${usage.time_to_first_token_ms} ms to first token`);
+  if (usage.tokens_per_second !== null) parts.push(`${usage.tokens_per_second} tokens/s`);
+  return parts.join(" · ");
+}
+
+function showNumbers(node, usage) {
+  const meta = node.querySelector(".meta");
+  meta.replaceChildren(element("span", "usage", usageLine(usage)), element("span", "timing", timingLine(usage)));
+  node.dataset.usage = JSON.stringify(usage);
+}
+
+// -- tool calls: arguments grow as text; parsed once the call is complete ------------------
+
+class ToolCalls {
+  constructor(container) {
+    this.container = container;
+    this.calls = [];
+  }
+
+  start(call) {
+    const node = element("details", "tool-call");
+    node.open = true;
+    const name = element("summary", "tool-name", `${call.function.name}()`);
+    const args = element("pre", "tool-args", call.function.arguments || "");
+    node.append(name, args);
+    this.container.append(node);
+    this.calls[call.index] = { node, args, text: call.function.arguments || "", id: call.id };
+  }
+
+  grow(index, fragment) {
+    const call = this.calls[index];
+    if (!call) return;
+    call.text += fragment;
+    call.args.textContent = call.text;
+  }
+
+  // Called when the reply ends: only then is each call's JSON complete.
+  complete() {
+    for (const call of this.calls.filter(Boolean)) {
+      const parsed = element("pre", "tool-parsed");
+      try {
+        parsed.textContent = JSON.stringify(JSON.parse(call.text), null, 2);
+        call.node.classList.add("complete");
+      } catch (error) {
+        parsed.textContent = `The arguments are not valid JSON: ${error.message}`;
+        call.node.classList.add("invalid");
+      }
+      call.args.replaceWith(parsed);
+    }
+  }
+}
+
+function showSavedCalls(node, calls) {
+  const tools = new ToolCalls(node.querySelector(".tool-calls"));
+  calls.forEach((call, index) => tools.start({ ...call, index }));
+  tools.complete();
+}
+
+// -- one streaming reply ---------------------------------------------------------------------
+
+class Reply {
+  constructor(node, turn, sentAt) {
+    this.node = node;
+    this.turn = turn;
+    this.sentAt = sentAt;
+    this.firstAt = null;
+    this.completion = 0;
+    this.received = ""; // all the text, as it arrived
+    this.queue = []; // what arrived since the last frame, in order: text, steering marks
+    this.frame = 0;
+    this.paintedAt = -Infinity;
+    this.finishReason = null;
+    this.segment = this.newSegment();
+    this.tools = new ToolCalls(node.querySelector(".tool-calls"));
+  }
+
+  newSegment() {
+    const container = element("div", "md");
+    this.node.querySelector(".body").append(container);
+    return new StreamingMarkdown(container);
+  }
+
+  open(url) {
+    this.source = new EventSource(url);
+    this.source.onmessage = (event) => this.onMessage(event.data);
+    this.source.onerror = () => this.onError();
+    this.source.onopen = () => setStatus("generating"); // again, after a reconnect
+  }
+
+  onError() {
+    if (this.done) return;
+    if (this.source.readyState === EventSource.CLOSED) return this.finish("the connection was closed");
+    setStatus("reconnecting…"); // EventSource reconnects by itself, from the last event id
+  }
+
+  onMessage(data) {
+    if (data === "[DONE]") return this.finish();
+    const chunk = JSON.parse(data);
+    if (chunk.error) return this.enqueue({ error: chunk.error.message });
+    if (chunk.usage) this.completion = chunk.usage.completion_tokens;
+    if (chunk.tokstream?.steered !== undefined) this.enqueue({ steered: chunk.tokstream.steered, refused: chunk.tokstream.error });
+    const choice = chunk.choices[0];
+    if (!choice) return;
+    if (choice.delta.content) this.enqueue({ text: choice.delta.content });
+    for (const call of choice.delta.tool_calls || []) this.enqueue({ call });
+    if (choice.finish_reason) this.finishReason = choice.finish_reason;
+  }
+
+  enqueue(item) {
+    if (this.firstAt === null && (item.text || item.call)) this.firstAt = performance.now();
+    this.queue.push(item);
+    if (!this.frame) this.frame = requestAnimationFrame((now) => this.onFrame(now));
+  }
+
+  onFrame(now) {
+    if (now - this.paintedAt < PAINT_EVERY_MS) {
+      this.frame = requestAnimationFrame((later) => this.onFrame(later));
+      return;
+    }
+    this.paintedAt = now;
+    this.paint();
+  }
+
+  // Writes first, then the one read that scrolling needs: one layout per painted frame.
+  paint() {
+    this.frame = 0;
+    for (const item of this.queue.splice(0)) this.apply(item);
+    this.segment.render();
+    this.showRate();
+    keepInView();
+  }
+
+  apply(item) {
+    if (item.text) {
+      this.segment.append(item.text);
+      this.received += item.text;
+    } else if (item.call?.id) this.tools.start(item.call);
+    else if (item.call) this.tools.grow(item.call.index, item.call.function?.arguments || "");
+    else if (item.steered !== undefined) this.markSteering(item.steered, item.refused);
+    else if (item.error) this.node.querySelector(".body").append(element("p", "error-text", `Error: ${item.error}`));
+  }
+
+  // The reply shows where the user's instruction took effect; text after it is a new block.
+  markSteering(text, refused) {
+    this.segment.render();
+    this.segment.finish();
+    const mark = element("div", refused ? "steer-mark refused" : "steer-mark", refused ? `Instruction not applied: ${refused}` : `↳ ${text.trim()}`);
+    this.node.querySelector(".body").append(mark);
+    this.segment = this.newSegment();
+  }
+
+  showRate() {
+    if (this.firstAt === null) return;
+    if (this.sentAt !== null) $("ttft").textContent = `${Math.round(this.firstAt - this.sentAt)} ms`;
+    const seconds = (performance.now() - this.firstAt) / 1000;
+    if (this.completion > 1 && seconds > 0) $("rate").textContent = ((this.completion - 1) / seconds).toFixed(1);
+    $("completion").textContent = String(this.completion);
+  }
+
+  async finish(problem) {
+    if (this.done) return;
+    this.done = true;
+    this.source.close();
+    if (this.frame) cancelAnimationFrame(this.frame);
+    this.paint();
+    this.segment.finish();
+    this.tools.complete();
+    if (problem) this.node.querySelector(".body").append(element("p", "error-text", `Error: ${problem}`));
+    this.node.dataset.text = this.received;
+    this.node.dataset.finishReason = this.finishReason || "";
+    state.reply = null;
+    setBusy(false);
+    setStatus(this.finishReason === "cancelled" ? "stopped" : "done");
+    keepInView();
+    await this.showLedgerNumbers();
+    keepInView();
+  }
+
+  // The numbers under a reply come from its ledger entry, written before the stream ended.
+  async showLedgerNumbers() {
+    try {
+      const chat = await fetchChat(state.chat.id);
+      const saved = chat.turns.find((turn) => turn.id === this.turn.id);
+      if (saved?.usage) {
+        showNumbers(this.node, saved.usage);
+        $("usage").textContent = usageLine(saved.usage);
+      }
+      addRegenerate();
+    } catch (error) {
+      this.node.querySelector(".meta").textContent = `Usage could not be read: ${error.message}`;
+    }
+  }
+}
+
+// -- actions ---------------------------------------------------------------------------------
+
+function startReply(answer, sentAt) {
+  const turn = answer.turns[answer.turns.length - 1];
+  const reply = new Reply(addReplyTurn(turn), turn, sentAt);
+  state.reply = reply;
+  reply.requestId = answer.request_id;
+  reply.open(answer.events_url);
+  setBusy(true);
+  setStatus("generating");
+  jumpToLatest();
+  if (state.stopRequested) stop();
+}
+
+function resetNumbers() {
+  for (const id of ["ttft", "rate", "completion", "usage"]) $(id).textContent = "–";
+}
+
+function rememberChat(chat) {
+  if (state.chat.id === chat.id) return;
+  state.chat = chat;
+  history.replaceState(null, "", chat.url);
+  const link = element("a", "chat-link current", chat.title);
+  link.href = chat.url;
+  $("chat-list").prepend(element("li", "", ""));
+  $("chat-list").firstChild.append(link);
+  $("system-prompt").disabled = true;
+}
+
+async function send() {
+  const content = prompt.value.trim();
+  if (!content || state.reply || state.sending) return;
+  const problem = checkTools();
+  if (problem) return setStatus(problem);
+  state.sending = true;
+  state.stopRequested = false;
+  removeRegenerate();
+  resetNumbers();
+  const sentAt = performance.now();
+  const userNode = addUserTurn({ content });
+  jumpToLatest();
+  setStatus("sending");
+  const url = state.chat.id ? `/api/chats/${state.chat.id}/messages` : "/api/chats/messages";
+  try {
+    const answer = await post(url, { content, system_prompt: $("system-prompt").value, ...parameters() });
+    prompt.value = "";
+    userNode.dataset.turnId = answer.turns[0].id;
+    rememberChat(answer.chat);
+    startReply(answer, sentAt);
+  } catch (error) {
+    userNode.remove();
+    setStatus(`Not sent: ${error.message}`);
+  } finally {
+    state.sending = false;
+  }
+}
+
+async function regenerate() {
+  if (state.reply || state.sending) return;
+  state.sending = true;
+  const last = log.querySelector(".turn.assistant:last-of-type");
+  removeRegenerate();
+  resetNumbers();
+  const sentAt = performance.now();
+  try {
+    const answer = await post(`/api/chats/${state.chat.id}/regenerate`, parameters());
+    last?.remove();
+    startReply(answer, sentAt);
+  } catch (error) {
+    addRegenerate();
+    setStatus(`Not regenerated: ${error.message}`);
+  } finally {
+    state.sending = false;
+  }
+}
+
+function addRegenerate() {
+  removeRegenerate();
+  const last = log.lastElementChild;
+  if (!last || !last.classList.contains("assistant")) return;
+  const button = element("button", "regenerate link", "Regenerate");
+  button.type = "button";
+  button.addEventListener("click", regenerate);
+  last.append(button);
+}
+
+function removeRegenerate() {
+  for (const button of log.querySelectorAll(".regenerate")) button.remove();
+}
+
+// Stop cancels on the server; the reply keeps what was written and ends with "cancelled".
 function stop() {
-  if (!current) return;
-  if (!current.id) {
-    current.stopRequested = true; // still being queued: stop as soon as it has an id
+  const reply = state.reply;
+  if (!reply) {
+    if (state.sending) state.stopRequested = true; // still being queued: stop once it has an id
     return;
   }
-  postJSON(cancelUrl(current.id), {});
+  setStatus("stopping");
+  post(`/api/chat/completions/${reply.requestId}/cancel`, {}).catch((error) => setStatus(`Stop failed: ${error.message}`));
 }
+
+// The text joins the reply as it stands; a space keeps it from gluing onto the last word.
+async function steer() {
+  const reply = state.reply;
+  let text = $("steer").value;
+  if (!text.trim() || !reply) return;
+  if (!/^\s/.test(text) && /\S$/.test(reply.received)) text = ` ${text}`;
+  $("steer").value = "";
+  try {
+    await post(`/api/chat/completions/${reply.requestId}/steer`, { content: text });
+    setStatus("instruction sent");
+  } catch (error) {
+    setStatus(`Instruction not sent: ${error.message}`);
+  }
+}
+
+// -- the history the server kept ---------------------------------------------------------
+
+function showSavedTurns(turns) {
+  for (const turn of turns) {
+    if (turn.role === "user") {
+      addUserTurn(turn);
+      continue;
+    }
+    const node = addReplyTurn(turn);
+    if (turn.events_url) {
+      // Still being written (or ended while the page was away): replay its whole stream. Its
+      // time to first token is not this page's to measure; the ledger's comes at the end.
+      const reply = new Reply(node, turn, null);
+      state.reply = reply;
+      reply.requestId = turn.request_id;
+      reply.open(turn.events_url);
+      setBusy(true);
+      setStatus("generating");
+      continue;
+    }
+    showSavedReply(node, turn);
+  }
+  if (!state.reply) addRegenerate();
+  jumpToLatest();
+}
+
+function showSavedReply(node, turn) {
+  const body = node.querySelector(".body");
+  let offset = 0;
+  for (const mark of turn.steering) {
+    appendRendered(body, turn.content.slice(offset, mark.at));
+    body.append(element("div", "steer-mark", `↳ ${mark.text.trim()}`));
+    offset = mark.at;
+  }
+  appendRendered(body, turn.content.slice(offset));
+  if (turn.tool_calls.length) showSavedCalls(node, turn.tool_calls);
+  if (turn.error) body.append(element("p", "error-text", `Error: ${turn.error}`));
+  node.dataset.text = turn.content;
+  node.dataset.finishReason = turn.finish_reason;
+  if (turn.usage) showNumbers(node, turn.usage);
+}
+
+function appendRendered(body, text) {
+  const container = element("div", "md");
+  container.append(renderMarkdown(text));
+  body.append(container);
+}
+
+// -- wiring ------------------------------------------------------------------------------------
 
 $("composer").addEventListener("submit", (event) => {
   event.preventDefault();
   send();
 });
 prompt.addEventListener("keydown", (event) => {
-  if (event.key === "Enter" && !event.shiftKey) {
+  if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
     event.preventDefault();
     send();
   }
+});
+$("steer-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  steer();
 });
 document.addEventListener("keydown", (event) => {
   if (event.key === "Escape") stop();
 });
 $("stop").addEventListener("click", stop);
+$("jump").addEventListener("click", jumpToLatest);
+log.addEventListener("scroll", onScroll, { passive: true });
+
+showSavedTurns(JSON.parse($("turns-data").textContent));
+// Compile the renderer's code paths while idle, so a reply's first paint does not pay for it.
+requestIdleCallback(() => renderMarkdown("*a* **b** `c` [d](https://e)\n\n- f\n\n```\ng\n```"));

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import httpx
 
+from inference import registry
 from tests.settings import free_port
 from tokstream_site import processes
 
@@ -63,7 +64,10 @@ class LiveService:
             response = httpx.get(f"{url}/healthz", timeout=2)
         except httpx.HTTPError:
             return False
-        return response.status_code == 200 and sum(response.json()["checks"]["workers"]["models"].values()) >= self.workers
+        if response.status_code != 200:
+            return False
+        served = response.json()["checks"]["workers"]["models"]  # model -> engines serving it
+        return all(served.get(name, 0) >= self.workers for name in registry.names())
 
     def stop(self):
         for child in self.children:

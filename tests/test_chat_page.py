@@ -1,13 +1,23 @@
-"""The chat page in a real headless Chromium, against the live service and the real model."""
+"""The chat page in a real headless Chromium, against the live service: the real model, and
+the echo model (tests/settings.py) where a test needs to script exactly what streams."""
 
 import shutil
+import time
+from datetime import timedelta
+from decimal import Decimal
 
+import httpx
 import pytest
 from django.db import connections
+from django.utils import timezone
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import sync_playwright
 
-from billing.models import UsageEntry
+from billing.models import PriceSheet, UsageEntry
+from inference.models import Chat, Turn
+from tests.proxy import CuttableProxy
 from tests.service import wait_for_entry
+from tests.sse import MODEL
 
 pytestmark = pytest.mark.django_db(transaction=True)
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -15,21 +25,77 @@ FLAGS = [
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]  # fmt: skip
+REPLY = ".turn.assistant:last-of-type"
+LONG_STORY = "Write a very long story about a lighthouse keeper."
 
-# Records the reply's text length at every animation frame, so the test sees each paint.
+# Every animation frame: the reply's visible text, and the first frozen block once it exists.
 WATCH_REPLY = """() => {
-  window.__lengths = [];
+  window.__frames = [];
+  window.__args = [];
   const sample = () => {
-    const reply = document.querySelector('.turn.assistant .body');
-    if (reply) window.__lengths.push(reply.textContent.length);
+    const reply = document.querySelector('.turn.assistant:last-of-type .body');
+    if (reply) window.__frames.push(reply.textContent);
+    const block = document.querySelector(".turn.assistant:last-of-type .md-block");
+    if (block && !window.__firstBlock) window.__firstBlock = block;
+    const args = document.querySelector('.tool-args');
+    if (args) window.__args.push(args.textContent);
     requestAnimationFrame(sample);
   };
   requestAnimationFrame(sample);
 }"""
 
 
+class Browser:
+    """One signed-in page, with what it printed to its console."""
+
+    def __init__(self, pw, base_url):
+        self.browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        self.page = self.browser.new_page()
+        self.errors = []
+        self.requests = []
+        self.page.on("console", lambda message: message.type == "error" and self.errors.append(message.text))
+        self.page.on("pageerror", lambda error: self.errors.append(str(error)))
+        self.page.on("request", lambda request: self.requests.append(request.url))
+        self.page.goto(f"{base_url}/")
+        self.page.fill("input[name=username]", "reader")
+        self.page.fill("input[name=password]", "pw-for-tests-only")
+        self.page.click("button[type=submit]")
+        self.page.wait_for_selector("#prompt")
+
+    def send(self, text, model=MODEL, **fields):
+        page = self.page
+        page.click("summary")  # the parameters
+        page.select_option("#model", model)
+        for field, value in fields.items():
+            page.fill(f"#{field.replace('_', '-')}", str(value))
+        page.click("summary")
+        page.fill("#prompt", text)
+        page.press("#prompt", "Enter")
+
+    def wait_until_done(self, seconds=90):
+        try:
+            self.page.wait_for_selector(f"{REPLY}[data-finish-reason]", timeout=seconds * 1000)
+        except PlaywrightTimeout:
+            status = self.page.text_content("#status")
+            raise AssertionError(f"the reply did not end: status {status!r}, page errors {self.errors}") from None
+
+    def reply_text(self):
+        return self.page.text_content(f"{REPLY} .body")
+
+
+def wait_for_text(page, characters, seconds=30):
+    """Until the reply being written shows more than `characters` characters."""
+    # A function, not an expression: the page's CSP forbids the eval an expression needs.
+    script = f"() => (document.querySelector('{REPLY} .body')?.textContent || '').length > {characters}"
+    page.wait_for_function(script, timeout=seconds * 1000)
+
+
 @pytest.fixture
-def page(live_service, transactional_db, monkeypatch):
+def browser(live_service, transactional_db, monkeypatch):
+    yield from signed_in_browser(live_service.url, monkeypatch)
+
+
+def signed_in_browser(url, monkeypatch):
     from django.contrib.auth import get_user_model
 
     # Playwright's sync API runs an event loop in this thread; the ORM calls of the test are
@@ -37,57 +103,249 @@ def page(live_service, transactional_db, monkeypatch):
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     get_user_model().objects.create_user("reader", password="pw-for-tests-only")
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        page = browser.new_page()
-        page.goto(f"{live_service.url}/")
-        page.fill("input[name=username]", "reader")
-        page.fill("input[name=password]", "pw-for-tests-only")
-        page.click("button[type=submit]")
-        page.wait_for_selector("#prompt")
-        yield page
-        browser.close()
+        browser = Browser(pw, url)
+        yield browser
+        browser.browser.close()
         # Inside Playwright's loop the ORM opened a connection of its own; close it here, or
         # the test database cannot be dropped at the end.
         connections.close_all()
 
 
-def test_a_reply_grows_in_steps_and_ends_with_its_usage(page):
-    page.evaluate(WATCH_REPLY)
-    page.fill("#prompt", "Write two sentences about the sea.")
-    page.keyboard.press("Enter")
-    page.wait_for_selector(".turn.assistant .meta", timeout=60_000)
-    lengths = page.evaluate("window.__lengths")
-    final = lengths[-1]
-    steps = sorted({n for n in lengths if 0 < n < final})
-    assert final > 0
-    assert len(steps) >= 2, f"the reply appeared in {len(steps) + 1} paint(s): {lengths}"
-    usage_text = page.text_content("#usage")
-    entry = UsageEntry.objects.get()
-    assert usage_text == (
-        f"{entry.prompt_tokens} prompt + {entry.completion_tokens} completion = {entry.total_tokens} tokens"
+def price(model):
+    return PriceSheet.objects.create(
+        model=model,
+        input_per_million=Decimal("0.15"),
+        cached_input_per_million=Decimal("0.075"),
+        output_per_million=Decimal("0.60"),
+        effective_from=timezone.now() - timedelta(days=1),
     )
-    assert page.text_content("#status") == "done"
-    assert "ms" in page.text_content("#ttft")
 
 
-def test_stop_cancels_the_reply_on_the_server(page):
-    page.fill("#prompt", "Write a very long story about a lighthouse keeper.")
-    page.click("#send")
-    page.wait_for_function("document.querySelector('.turn.assistant .body').textContent.length > 20", timeout=60_000)
-    page.click("#stop")
-    page.wait_for_selector(".turn.assistant .meta", timeout=30_000)
+def test_a_real_reply_grows_in_steps_and_ends_with_the_usage_and_cost_of_its_ledger_entry(browser):
+    price(MODEL)
+    page = browser.page
+    page.evaluate(WATCH_REPLY)
+    browser.send("Write two sentences about the sea.", max_tokens=60)
+    browser.wait_until_done()
+    page.wait_for_selector(f"{REPLY} .meta .usage")
+    frames = page.evaluate("window.__frames")
+    lengths = sorted({len(text) for text in frames if text})
+    assert len(lengths) >= 3, f"the reply appeared in {len(lengths)} paint(s)"
     entry = UsageEntry.objects.get()
-    assert entry.status == "cancelled"
+    assert entry.total_cost > 0
+    cost = format(entry.total_cost.normalize(), "f")
+    expected = f"{entry.prompt_tokens} prompt + {entry.completion_tokens} completion = {entry.total_tokens} tokens · {cost} USD"
+    assert page.text_content(f"{REPLY} .meta .usage") == expected
+    assert page.text_content("#usage") == expected
+    assert page.text_content("#status") == "done"
+    assert page.text_content("#ttft").endswith(" ms")
+    assert float(page.text_content("#rate")) > 0
+    assert browser.errors == []
+
+
+def test_the_history_is_kept_on_the_server_and_a_reload_shows_it_with_its_numbers(browser, live_service):
+    page = browser.page
+    browser.send("First message", model="echo")
+    browser.wait_until_done()
+    page.wait_for_selector(f"{REPLY} .meta .usage")
+    browser.send("Second message", model="echo")
+    page.wait_for_function("() => document.querySelectorAll('.turn.assistant[data-finish-reason] .meta .usage').length == 2")
+    chat = Chat.objects.get()
+    assert page.url.endswith(f"/c/{chat.pk}")
+    assert [(t.role, t.content) for t in chat.turns.all()] == [
+        ("user", "First message"), ("assistant", "First message"), ("user", "Second message"), ("assistant", "Second message"),
+    ]  # fmt: skip
+    numbers = page.text_content(f"{REPLY} .meta")
+    page.reload()
+    page.wait_for_selector(f"{REPLY} .meta .usage")
+    assert page.locator(".turn").all_text_contents()[0] == "First message"
+    assert page.text_content(f"{REPLY} .meta") == numbers
+    assert page.text_content(".chat-link.current") == "First message"
+    assert page.locator(".regenerate").count() == 1
+    page.click(".regenerate")
+    page.wait_for_selector(".regenerate")  # back once the new reply has its numbers
+    assert [t.content for t in chat.turns.all()] == ["First message", "First message", "Second message", "Second message"]
+    assert Turn.objects.filter(role="assistant").count() == 2
+
+
+def test_streamed_markdown_never_shows_raw_markers_and_finished_blocks_are_left_alone(browser):
+    page = browser.page
+    page.evaluate(WATCH_REPLY)
+    message = (
+        "An opening line with **bold words inside** it.\n\n"
+        "```python\ndef double(x):\n    return x * 2\n```\n\n"
+        "And a closing paragraph that goes on for a while, so that deltas keep arriving "
+        "long after the first blocks are complete and frozen in place."
+    )
+    browser.send(message, model="echo")
+    browser.wait_until_done()
+    frames = [text for text in page.evaluate("window.__frames") if text]
+    assert len(set(frames)) > 20, "the reply should have been painted in many steps"
+    shown_raw = [text for text in frames if "**" in text or "```" in text or "``" in text]
+    assert shown_raw == []
+    assert page.text_content(f"{REPLY} strong") == "bold words inside"
+    assert page.text_content(f"{REPLY} pre code") == "def double(x):\n    return x * 2\n"
+    # The first paragraph's node, frozen at its blank line, is still the one on the page.
+    assert page.evaluate("window.__firstBlock.isConnected && window.__firstBlock === document.querySelector('.md-block')")
+    assert page.evaluate("window.__firstBlock.textContent") == "An opening line with bold words inside it.\n"
+    assert browser.errors == []
+
+
+def test_model_output_cannot_run_script_and_is_shown_as_text(browser):
+    page = browser.page
+    csp = page.reload().headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "unsafe-inline" not in csp
+    payload = (
+        '<img src=x onerror="window.__pwned=1">\n\n'
+        "<script>window.__pwned=2</script>\n\n"
+        "[click me](javascript:window.__pwned=3)\n\n"
+        "![a remote picture](http://127.0.0.1:9/remote.png)"
+    )
+    browser.send(payload, model="echo")
+    browser.wait_until_done()
+    reply = page.locator(REPLY)
+    reply.locator("a", has_text="click me").click()
+    page.wait_for_timeout(300)
+    assert page.evaluate("window.__pwned") is None
+    text = page.text_content(f"{REPLY} .body")
+    assert '<img src=x onerror="window.__pwned=1">' in text and "<script>window.__pwned=2</script>" in text
+    assert reply.locator("script, img, iframe, [onerror]").count() == 0
+    assert reply.locator("a", has_text="click me").get_attribute("href") is None
+    assert reply.locator(".image-link").get_attribute("href") == "http://127.0.0.1:9/remote.png"
+    assert not [url for url in browser.requests if "remote.png" in url], "a remote image was loaded"
+
+
+def test_stop_cancels_on_the_server_and_keeps_the_partial_reply(browser):
+    page = browser.page
+    browser.send(LONG_STORY, max_tokens=400)
+    wait_for_text(page, 20, seconds=60)
+    page.keyboard.press("Escape")
+    browser.wait_until_done(30)
+    entry = wait_for_entry(seconds=15)
+    assert entry.status == "cancelled" and entry.completion_tokens < 400
+    shown = browser.reply_text()
+    page.wait_for_timeout(1000)
+    assert browser.reply_text() == shown and shown.strip()  # nothing more arrives
+    assert UsageEntry.objects.get().completion_tokens == entry.completion_tokens
     assert page.text_content("#status") == "stopped"
-    assert page.text_content(".turn.assistant .body").strip()  # the partial reply stays
+    page.wait_for_selector(f"{REPLY} .meta .usage")
+    assert f"+ {entry.completion_tokens} completion" in page.text_content(f"{REPLY} .meta .usage")
+    assert Turn.objects.get(role="assistant").finish_reason == "cancelled"
 
 
-def test_leaving_the_page_cancels_the_reply(page, live_service):
-    page.fill("#prompt", "Write a very long story about a lighthouse keeper.")
-    page.click("#send")
-    page.wait_for_function("document.querySelector('.turn.assistant .body').textContent.length > 20", timeout=60_000)
+def test_steering_marks_where_the_instruction_took_effect(browser):
+    page = browser.page
+    browser.send(LONG_STORY, max_tokens=120)
+    wait_for_text(page, 20, seconds=60)
+    page.fill("#steer", " Then a storm came.")
+    page.press("#steer", "Enter")
+    page.wait_for_selector(f"{REPLY} .steer-mark", timeout=30_000)
+    browser.wait_until_done()
+    assert page.text_content(f"{REPLY} .steer-mark") == "↳ Then a storm came."
+    entry = wait_for_entry(seconds=15)
+    assert entry.steering_tokens > 0
+    turn = Turn.objects.get(role="assistant")
+    assert turn.steering[0]["text"] == " Then a storm came." and 0 < turn.steering[0]["at"] < len(turn.content)
+
+
+def test_a_cut_connection_resumes_the_same_reply_without_a_gap_or_a_repeat(live_service, transactional_db, monkeypatch, api_key):
+    proxy = CuttableProxy(live_service.port)
+    try:
+        for browser in signed_in_browser(proxy.url, monkeypatch):
+            page = browser.page
+            browser.send("Tell me about the moon.", temperature=0.8, seed=7, max_tokens=80)
+            wait_for_text(page, 10, seconds=60)
+            assert proxy.cut() >= 1
+            page.wait_for_function("() => document.querySelector('#status').textContent === 'reconnecting…'", timeout=10_000)
+            browser.wait_until_done()
+            shown = page.get_attribute(REPLY, "data-text")
+    finally:
+        proxy.close()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the moon."}], "temperature": 0.8, "seed": 7, "max_tokens": 80}
+    uncut = httpx.post(f"{live_service.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {api_key}"}, timeout=120)
+    assert shown == uncut.json()["choices"][0]["message"]["content"]
+
+
+def test_a_reload_in_the_middle_of_a_reply_shows_the_whole_reply(browser):
+    page = browser.page
+    message = " ".join(f"word{n}" for n in range(120))
+    browser.send(message, model="echo")
+    wait_for_text(page, 30)
+    page.reload()
+    browser.wait_until_done()
+    assert page.get_attribute(REPLY, "data-text") == message
+    assert browser.reply_text().strip() == message
+
+
+def test_a_streamed_tool_call_grows_as_text_and_shows_its_parsed_arguments_at_the_end(browser):
+    page = browser.page
+    page.evaluate(WATCH_REPLY)
+    tools = '[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]'
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", "days": [1, 2, 3]}}\n</tool_call>'
+    browser.send(f"Let me check.{call}", model="echo", tools=tools)
+    browser.wait_until_done()
+    grown = sorted({len(text) for text in page.evaluate("window.__args")})
+    assert len(grown) > 3, "the arguments should have grown in several steps"
+    assert page.get_attribute(REPLY, "data-finish-reason") == "tool_calls"
+    assert page.text_content(f"{REPLY} .tool-name") == "get_weather()"
+    parsed = page.text_content(f"{REPLY} .tool-call.complete .tool-parsed")
+    assert '"city": "Paris"' in parsed and '"days": [\n    1,' in parsed
+    assert "tool_call" not in browser.reply_text()
+    assert browser.errors == []
+
+
+def test_the_status_region_announces_the_reply_not_each_token(browser):
+    page = browser.page
+    page.evaluate("""() => {
+      window.__statuses = [];
+      new MutationObserver(() => window.__statuses.push(document.querySelector('#status').textContent))
+        .observe(document.querySelector('#status'), {childList: true, characterData: true, subtree: true});
+    }""")
+    page.fill("#prompt", "A first line")
+    page.press("#prompt", "Shift+Enter")
+    page.type("#prompt", "a second line")
+    assert page.input_value("#prompt") == "A first line\na second line"
+    page.click("summary")
+    page.select_option("#model", "echo")
+    page.press("#prompt", "Enter")
+    browser.wait_until_done()
+    assert page.evaluate("window.__statuses") == ["sending", "generating", "done"]
+    assert page.get_attribute("#log", "role") == "log"
+    assert page.get_attribute("#status", "aria-live") == "polite"
+
+
+def test_leaving_the_page_cancels_the_reply(browser, live_service):
+    page = browser.page
+    browser.send(LONG_STORY)
+    wait_for_text(page, 20, seconds=60)
     page.goto(f"{live_service.url}/accounts/login/")  # another page: the reply's page is gone
     entry = wait_for_entry(seconds=15)
     assert entry.status == "cancelled"
     assert entry.completion_tokens < 512
+    time.sleep(0.5)
+    assert Turn.objects.get(role="assistant").finish_reason == "cancelled"
 
+
+def below_view(page):
+    """How far the conversation goes on below what the reader sees, in pixels."""
+    return page.evaluate("() => { const log = document.querySelector('#log'); return log.scrollHeight - log.scrollTop - log.clientHeight; }")
+
+
+def test_the_view_follows_new_text_only_while_the_reader_is_at_the_bottom(browser):
+    page = browser.page
+    paragraphs = "\n\n".join(f"Paragraph {n} of a reply long enough to scroll the view." for n in range(60))
+    browser.send(paragraphs, model="echo")
+    for characters in (200, 400, 600, 800):
+        wait_for_text(page, characters)
+        assert below_view(page) < 24
+    page.evaluate("() => { document.querySelector('#log').scrollTop = 0; }")  # the reader scrolls up
+    grown = page.evaluate("() => document.querySelector('#log').scrollHeight")
+    page.wait_for_function(f"() => document.querySelector('#log').scrollHeight > {grown} + 100")
+    assert page.evaluate("() => document.querySelector('#log').scrollTop") == 0
+    assert page.is_visible("#jump")
+    page.click("#jump")
+    wait_for_text(page, 1400)
+    assert below_view(page) < 24
+    browser.wait_until_done()
+    assert below_view(page) < 24
+    assert not page.is_visible("#jump")

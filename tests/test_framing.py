@@ -46,7 +46,7 @@ def test_the_framing_gives_the_openai_sdk_only_whole_events():
 
     from inference.chunks import sse_frames
 
-    stream = sse.RETRY + sse_frames("1-0", [{"a": 1}]) + sse.KEEPALIVE + sse.KEEPALIVE + sse_frames("2-0", [{"b": 2}], done=True)
+    stream = sse.retry_hint() + sse_frames("1-0", [{"a": 1}]) + sse.KEEPALIVE + sse.KEEPALIVE + sse_frames("2-0", [{"b": 2}], done=True)
     events = list(SSEDecoder().iter_bytes(iter([stream[i : i + 7] for i in range(0, len(stream), 7)])))
     assert [event.data for event in events] == ['{"a":1}', '{"b":2}', "[DONE]"]
     assert [event.id for event in events] == ["1-0", "2-0.0", "2-0"]

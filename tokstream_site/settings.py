@@ -125,6 +125,9 @@ if not isinstance(TOKSTREAM_MODELS, dict) or not all(
     isinstance(entry, dict) and isinstance(entry.get("source"), str) for entry in TOKSTREAM_MODELS.values()
 ):
     raise ImproperlyConfigured('TOKSTREAM_MODELS must map names to {"source": "..."} objects')
+for _name, _entry in TOKSTREAM_MODELS.items():
+    if _entry["source"] == "echo" and TOKSTREAM_MODELS.get(_entry.get("tokenizer"), {}).get("source", "echo") == "echo":
+        raise ImproperlyConfigured(f'TOKSTREAM_MODELS: the echo model {_name!r} needs "tokenizer": the name of another registered model')
 TOKSTREAM_MODEL_CACHE = Path(env_str("TOKSTREAM_MODEL_CACHE", str(CACHE_DIR / "models")))
 TOKSTREAM_DEVICE = env_str("TOKSTREAM_DEVICE", "auto")
 if not re.fullmatch(r"auto|(cpu|mps|cuda(:\d+)?)(,(cpu|mps|cuda(:\d+)?))*", TOKSTREAM_DEVICE):

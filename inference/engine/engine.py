@@ -18,6 +18,7 @@ import torch
 
 from .beam import BeamSearch
 from .detokenizer import IncrementalDetokenizer
+from .echo import EchoModel, EchoRunner
 from .kv_cache import BLOCK_SIZE, BlockPool, block_hashes
 from .logprobs import logprobs_of
 from .runner import BatchRunner, Chunk
@@ -107,8 +108,11 @@ class Engine:
     @classmethod
     def for_model(cls, lm, cache_tokens, block_size=BLOCK_SIZE, **options):
         """An engine over a loaded model, with a KV cache of `cache_tokens` tokens."""
-        pool = BlockPool.for_model(lm.model.config, cache_tokens, block_size, lm.model.dtype, lm.device)
-        return cls(BatchRunner(lm.model, pool, lm.device), lm.tokenizer, lm.stop_ids, lm.context_length, **options)
+        if isinstance(lm.model, EchoModel):
+            runner = EchoRunner(lm.model, cache_tokens, block_size)
+        else:
+            runner = BatchRunner(lm.model, BlockPool.for_model(lm.model.config, cache_tokens, block_size, lm.model.dtype, lm.device), lm.device)
+        return cls(runner, lm.tokenizer, lm.stop_ids, lm.context_length, **options)
 
     def __init__(self, runner, tokenizer, stop_ids, context_length, max_running=8, step_tokens=24, idle_chunk=512, clock=time.time):
         self.runner = runner

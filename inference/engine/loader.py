@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from .echo import EchoModel
+
 CACHE_MARK = "tokstream.json"
 CONVERT_STEPS = ("tokenizer", "weights", "saved")
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>")
@@ -140,6 +142,22 @@ def load_tokenizer(folder):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def load_echo(name, folder, step_seconds):
+    """The echo model (engine/echo.py) speaking through the tokenizer in `folder`."""
+    from transformers import AutoConfig
+
+    tokenizer, config = load_tokenizer(folder), AutoConfig.from_pretrained(folder, local_files_only=True)
+    return LoadedModel(
+        name=name,
+        model=EchoModel.for_tokenizer(tokenizer, step_seconds),
+        tokenizer=tokenizer,
+        device=torch.device("cpu"),
+        stop_ids=frozenset(stop_ids_of(tokenizer, config)),
+        context_length=context_length_of(config),
+        tokenizer_id=f"{name}:{tokenizer_identity(folder)}",
+    )
 
 
 def load(name, folder, device, dtype="auto"):

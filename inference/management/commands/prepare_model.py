@@ -19,6 +19,9 @@ class Command(BaseCommand):
             self.prepare(name, settings.TOKSTREAM_MODELS[name]["source"], force)
 
     def prepare(self, name, source, force):
+        if source == "echo":
+            self.stdout.write(f"{name}: the echo model, on the tokenizer of {settings.TOKSTREAM_MODELS[name].get('tokenizer')}: nothing to prepare")
+            return
         if not source.startswith("package:"):
             self.stdout.write(f"{name}: served from {source} as it is")
             return

@@ -1,0 +1,24 @@
+"""Start the service's Daphne and Celery worker for a benchmark, once it answers /healthz."""
+
+import subprocess
+import time
+
+import httpx
+
+
+def start_service(root, port, log_path, env):
+    from tokstream_site import processes  # after django.setup() in the benchmark
+
+    log = open(log_path, "w")
+    children = [
+        subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+        for cmd in (processes.worker_command(4, hostname=f"bench-{port}@%h"), processes.daphne_command("127.0.0.1", port))
+    ]
+    for _ in range(600):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
+                return children
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"the service did not start; see {log_path}")

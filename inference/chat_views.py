@@ -1,0 +1,140 @@
+"""The chat page and its session endpoints (signed-in users, CSRF on every POST)."""
+
+import functools
+import json
+
+from django.conf import settings
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import RequestDataTooBig
+from django.http import JsonResponse
+from django.shortcuts import get_object_or_404, render
+from django.views.decorators.http import require_GET, require_POST
+
+from . import chat_request, chats, registry
+from .admission import Owner, admit
+from .errors import ApiError, invalid, not_found, too_large
+from .models import Chat
+from .views import cancel, error_response, steer, steering_text
+
+# The page runs only its own script: model output that slipped through the sanitizer still
+# could not run, load a remote image or send anything anywhere.
+PAGE_CSP = "; ".join(
+    [
+        "default-src 'self'",
+        "script-src 'self'",
+        "style-src 'self'",
+        "img-src 'self' data:",
+        "connect-src 'self'",
+        "object-src 'none'",
+        "base-uri 'none'",
+        "form-action 'self'",
+        "frame-ancestors 'none'",
+    ]
+)
+
+
+def session_api(view):
+    """A signed-in user's JSON endpoint: errors in the OpenAI shape."""
+
+    @functools.wraps(view)
+    @login_required
+    def wrapper(request, *args, **kwargs):
+        try:
+            return view(request, *args, **kwargs)
+        except RequestDataTooBig:
+            return error_response(too_large(settings.TOKSTREAM_MAX_BODY_BYTES))
+        except ApiError as exc:
+            return error_response(exc)
+
+    return wrapper
+
+
+def json_body(request):
+    try:
+        body = json.loads(request.body or b"{}")
+    except (ValueError, UnicodeDecodeError):
+        raise invalid("The body must be a JSON object.") from None
+    if not isinstance(body, dict):
+        raise invalid("The body must be a JSON object.")
+    return body
+
+
+def owned_chat(user, chat_id):
+    chat = Chat.objects.filter(pk=chat_id, user=user).first()
+    if chat is None:
+        raise not_found(f"No chat {chat_id} is yours.", param="chat")
+    return chat
+
+
+@login_required
+@require_GET
+def chat_page(request, chat_id=None):
+    chat = get_object_or_404(Chat, pk=chat_id, user=request.user) if chat_id else None
+    context = {
+        "models": registry.names(),
+        "chat": chat,
+        "chat_data": chats.chat_json(chat) if chat else {"id": None},
+        "chats": [chats.chat_json(c) for c in request.user.chats.all()[:200]],
+        "turns": chats.turns_json(chat) if chat else [],
+    }
+    response = render(request, "chat.html", context)
+    response["Content-Security-Policy"] = PAGE_CSP
+    return response
+
+
+@require_GET
+@session_api
+def chat_list(request):
+    return JsonResponse({"data": [chats.chat_json(c) for c in request.user.chats.all()[:200]]})
+
+
+@require_GET
+@session_api
+def chat_detail(request, chat_id):
+    chat = owned_chat(request.user, chat_id)
+    return JsonResponse({**chats.chat_json(chat), "turns": chats.turns_json(chat)})
+
+
+def reply_json(chat, turns, admitted):
+    return JsonResponse(
+        {
+            "chat": chats.chat_json(chat),
+            "turns": [chats.turn_json(turn) for turn in turns],
+            "request_id": admitted.request_id,
+            "events_url": chats.events_url(admitted.request_id),
+            "prompt_tokens": admitted.prompt_tokens,
+        }
+    )
+
+
+@require_POST
+@session_api
+def message_create(request, chat_id=None):
+    chat = owned_chat(request.user, chat_id) if chat_id else None
+    return reply_json(*chats.post_message(request.user, chat, json_body(request)))
+
+
+@require_POST
+@session_api
+def reply_regenerate(request, chat_id):
+    return reply_json(*chats.regenerate(request.user, owned_chat(request.user, chat_id), json_body(request)))
+
+
+@require_POST
+@session_api
+def chat_create(request):
+    """A bare completion for the signed-in user (no chat kept): same checks and queue as the API."""
+    admitted = admit(chat_request.parse(request.body, request.content_type), Owner(user_id=request.user.pk))
+    return JsonResponse({"id": admitted.request_id, "events_url": chats.events_url(admitted.request_id), "prompt_tokens": admitted.prompt_tokens})
+
+
+@require_POST
+@session_api
+def chat_cancel(request, request_id):
+    return cancel(Owner(user_id=request.user.pk), request_id)
+
+
+@require_POST
+@session_api
+def chat_steer(request, request_id):
+    return steer(Owner(user_id=request.user.pk), request_id, steering_text(request.body))

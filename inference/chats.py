@@ -1,0 +1,193 @@
+"""The chat page's conversations: the messages a reply is asked with, and each reply settled
+(text, tool calls, steering marks, ending) from its request's log once the request ends."""
+
+import json
+import logging
+
+from django.db import transaction
+
+from billing.models import UsageEntry
+
+from . import chat_request, chunks, streamlog
+from .admission import Owner, admit
+from .errors import ApiError, invalid
+from .models import TITLE_CHARS, Chat, Turn
+
+log = logging.getLogger(__name__)
+MAX_MESSAGE_CHARS = 32000
+PARAMETERS = ("model", "temperature", "max_tokens", "seed", "tools")  # passed on as the API takes them
+LOST = "The reply's text had expired from the stream log before it was saved."
+
+
+def messages_of(chat, new_user_text=None):
+    """The conversation as the model reads it: replies that produced no text (a stop before
+    the first token, a failure) are left out."""
+    messages = [{"role": "system", "content": chat.system_prompt}] if chat.system_prompt else []
+    for turn in chat.turns.all() if chat.pk else []:
+        if turn.role == Turn.USER or turn.content:
+            messages.append({"role": turn.role, "content": turn.content})
+    if new_user_text is not None:
+        messages.append({"role": "user", "content": new_user_text})
+    return messages
+
+
+def checked_text(value, param, required=True):
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str) or (required and not value.strip()) or len(value) > MAX_MESSAGE_CHARS:
+        raise invalid(f"`{param}` must be {'non-empty ' if required else ''}text of at most {MAX_MESSAGE_CHARS} characters.", param=param)
+    return value
+
+
+def ask(user, chat, messages, body):
+    """Check and queue a reply to `messages` with the page's parameters; nothing is written
+    when it is refused."""
+    payload = {name: body[name] for name in PARAMETERS if body.get(name) is not None}
+    request = chat_request.parse(json.dumps({**payload, "messages": messages, "stream": True}), "application/json")
+    return request.model, admit(request, Owner(user_id=user.pk))
+
+
+def title_of(text):
+    line = " ".join(text.split())
+    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1] + "…"
+
+
+def post_message(user, chat, body):
+    """A user message and the reply it asks for; a new chat (chat None) is made with them."""
+    content = checked_text(body.get("content"), "content")
+    system = chat.system_prompt if chat else checked_text(body.get("system_prompt"), "system_prompt", required=False)
+    if chat is not None:
+        check_idle(chat)
+    model, admitted = ask(user, chat, messages_of(chat or Chat(system_prompt=system), content), body)
+    with undo_on_failure(admitted.request_id), transaction.atomic():
+        if chat is None:
+            chat = Chat.objects.create(user=user, title=title_of(content), system_prompt=system)
+        user_turn = Turn.objects.create(chat=chat, role=Turn.USER, content=content)
+        reply = Turn.objects.create(chat=chat, role=Turn.ASSISTANT, request_id=admitted.request_id, model=model)
+        chat.save(update_fields=["updated_at"])
+    return chat, [user_turn, reply], admitted
+
+
+def regenerate(user, chat, body):
+    """A new reply in place of the last one, to the same conversation."""
+    check_idle(chat)
+    last = chat.turns.last()
+    if last is None or last.role != Turn.ASSISTANT:
+        raise ApiError(409, "There is no reply to regenerate.", code="nothing_to_regenerate")
+    earlier = messages_of(chat)
+    if last.content:
+        earlier.pop()
+    model, admitted = ask(user, chat, earlier, body)
+    with undo_on_failure(admitted.request_id), transaction.atomic():
+        last.delete()
+        reply = Turn.objects.create(chat=chat, role=Turn.ASSISTANT, request_id=admitted.request_id, model=model)
+        chat.save(update_fields=["updated_at"])
+    return chat, [reply], admitted
+
+
+class undo_on_failure:
+    """The request was queued before its turns were written: if writing them fails, stop it."""
+
+    def __init__(self, request_id):
+        self.request_id = request_id
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is not None:
+            streamlog.cancel(streamlog.sync_client(), self.request_id)
+
+
+def check_idle(chat):
+    for turn in chat.turns.filter(role=Turn.ASSISTANT, finish_reason=""):
+        settle(turn)
+        if turn.streaming:
+            raise ApiError(409, "A reply is still being written in this chat: stop it or wait for it.", code="reply_in_progress")
+
+
+def settle(turn):
+    """Fill a streaming reply from its log once the log has its end; True if it did."""
+    if not turn.streaming:
+        return False
+    entries = [entry for _, entry in streamlog.read_all(streamlog.sync_client(), turn.request_id)]
+    if entries and entries[-1]["t"] == "end":
+        fill(turn, entries)
+    elif not entries and UsageEntry.objects.filter(request_id=turn.request_id).exists():
+        turn.finish_reason, turn.error = "error", LOST  # ended, and its log expired since
+    else:
+        return False
+    turn.save(update_fields=["content", "tool_calls", "steering", "finish_reason", "error"])
+    return True
+
+
+def fill(turn, entries):
+    """Choice 0's text, calls and steering marks (the page asks for one choice)."""
+    ours = [entry for entry in entries if entry.get("i", 0) == 0]
+    text = []
+    for entry in ours:
+        if entry["t"] == "delta":
+            text.append(entry["text"])
+        elif entry["t"] == "steer" and "error" not in entry:
+            turn.steering.append({"at": len("".join(text)), "text": entry["text"]})
+    end = entries[-1]
+    turn.content = "".join(text)
+    turn.tool_calls = chunks.tool_calls(ours)
+    turn.finish_reason = end["finish_reasons"][0]
+    turn.error = end.get("error", "")
+
+
+def settle_request(request_id):
+    """Called by the worker as a request ends, so the chat keeps the reply whatever the page does."""
+    for turn in Turn.objects.filter(request_id=request_id, finish_reason=""):
+        settle(turn)
+
+
+def events_url(request_id):
+    return f"/v1/chat/completions/{request_id}/events"
+
+
+def turn_json(turn, entry=None):
+    data = {
+        "id": turn.pk,
+        "role": turn.role,
+        "content": turn.content,
+        "tool_calls": turn.tool_calls,
+        "steering": turn.steering,
+        "request_id": turn.request_id,
+        "model": turn.model,
+        "finish_reason": turn.finish_reason,
+        "error": turn.error,
+    }
+    if turn.streaming:
+        data["events_url"] = events_url(turn.request_id)
+    if entry is not None:
+        data["usage"] = usage_json(entry)
+    return data
+
+
+def usage_json(entry):
+    """The numbers the page shows under a reply, all from its ledger entry."""
+    return {
+        "prompt_tokens": entry.prompt_tokens,
+        "completion_tokens": entry.completion_tokens,
+        "total_tokens": entry.total_tokens,
+        "cost": None if entry.total_cost is None else format(entry.total_cost.normalize(), "f"),
+        "currency": entry.currency,
+        "time_to_first_token_ms": None if entry.time_to_first_token is None else round(entry.time_to_first_token * 1000),
+        "tokens_per_second": None if entry.tokens_per_second is None else round(entry.tokens_per_second, 1),
+        "status": entry.status,
+    }
+
+
+def turns_json(chat):
+    """Every turn, settling replies that ended; each reply with its ledger entry's numbers."""
+    turns = list(chat.turns.all())
+    for turn in turns:
+        settle(turn)
+    entries = UsageEntry.objects.in_bulk([t.request_id for t in turns if t.request_id], field_name="request_id")
+    return [turn_json(turn, entries.get(turn.request_id)) for turn in turns]
+
+
+def chat_json(chat):
+    return {"id": chat.pk, "title": chat.title, "url": f"/c/{chat.pk}", "updated_at": chat.updated_at.isoformat()}

@@ -1,0 +1,167 @@
+// Streaming markdown: completed blocks are rendered once and frozen; only the growing tail is
+// rendered again, with its half-open markers closed so they never show raw. Everything goes
+// through DOMPurify, and HTML written by the model is shown as text.
+"use strict";
+
+const SAFE_URL = /^(?:https?:|mailto:|#)/i;
+const FENCE = /^ {0,3}(`{3,}|~{3,})/;
+
+function escapeHTML(text) {
+  return text.replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
+}
+
+marked.use({
+  gfm: true,
+  renderer: {
+    html: ({ text }) => escapeHTML(text), // the model's HTML is text to read, never markup
+  },
+});
+
+// Links open apart from the page and tell nothing of it; remote images are not fetched: they
+// become links the reader may follow.
+DOMPurify.addHook("afterSanitizeAttributes", (node) => {
+  if (node.tagName === "A") {
+    if (node.hasAttribute("href") && !SAFE_URL.test(node.getAttribute("href"))) node.removeAttribute("href");
+    node.setAttribute("rel", "noopener noreferrer nofollow");
+    node.setAttribute("target", "_blank");
+  }
+});
+
+function imageAsLink(fragment) {
+  for (const image of fragment.querySelectorAll("img")) {
+    const link = document.createElement("a");
+    const source = image.getAttribute("src") || "";
+    if (SAFE_URL.test(source)) link.href = source;
+    link.rel = "noopener noreferrer nofollow";
+    link.target = "_blank";
+    link.className = "image-link";
+    link.textContent = `[image: ${image.getAttribute("alt") || source}]`;
+    image.replaceWith(link);
+  }
+  return fragment;
+}
+
+function renderMarkdown(text) {
+  const html = marked.parse(text);
+  const clean = DOMPurify.sanitize(html, {
+    RETURN_DOM_FRAGMENT: true,
+    FORBID_TAGS: ["style", "form", "input", "button", "textarea", "select", "iframe"],
+    FORBID_ATTR: ["style"],
+    ALLOWED_URI_REGEXP: /^(?:https?:|mailto:|#|[^a-z]|[a-z+.-]+(?:[^a-z+.\-:]|$))/i,
+  });
+  return imageAsLink(clean);
+}
+
+// Where the text's completed blocks end: after the last blank line outside a code fence, or
+// after a closing fence. Returns that offset (0 when no block is complete).
+function completedLength(text) {
+  let fence = null;
+  let done = 0;
+  let offset = 0;
+  for (const line of text.split("\n").slice(0, -1)) { // the last line may still grow
+    offset += line.length + 1;
+    if (fence) {
+      if (closesFence(line, fence)) {
+        fence = null;
+        done = offset;
+      }
+    } else if (line.match(FENCE)) {
+      fence = line.match(FENCE)[1];
+    } else if (!line.trim()) {
+      done = offset;
+    }
+  }
+  return done;
+}
+
+function closesFence(line, fence) {
+  const marker = line.match(FENCE);
+  return marker && marker[1][0] === fence[0] && marker[1].length >= fence.length && !line.trim().slice(marker[1].length);
+}
+
+// A tail's open fence ("```", "~~~~"...) if any, and where its last closed fence ended.
+function fences(text) {
+  let fence = null;
+  let closedAt = 0;
+  let offset = 0;
+  for (const line of text.split("\n")) {
+    offset += line.length + 1;
+    if (fence && closesFence(line, fence)) {
+      fence = null;
+      closedAt = Math.min(offset, text.length);
+    } else if (!fence && line.match(FENCE)) {
+      fence = line.match(FENCE)[1];
+    }
+  }
+  return { fence, closedAt };
+}
+
+// Close what a growing paragraph left open, so that "**bo" shows as bold and a marker that is
+// still arriving ("*" of "**") waits for the next frame instead of flashing raw.
+function closeInline(text) {
+  let body = text.replace(/[*_~`]+$/, "");
+  const trailing = body.match(/\s*$/)[0];
+  body = body.slice(0, body.length - trailing.length);
+  body = body.replace(/\[([^\]\n]*)\]\([^)\s]*$/, "$1"); // a link whose address is arriving
+  let closers = "";
+  const code = (body.match(/`/g) || []).length;
+  if (code % 2) closers += "`";
+  const prose = body.replace(/`[^`]*`?/g, "").replace(/^\s*[*+-]\s+/gm, "");
+  for (const marker of ["**", "__", "~~"]) {
+    if (prose.split(marker).length % 2 === 0) closers += marker;
+  }
+  const singles = prose.replace(/\*\*|__/g, "");
+  if ((singles.match(/\*/g) || []).length % 2) closers += "*";
+  return body + closers + trailing;
+}
+
+function closeOpen(tail) {
+  const { fence, closedAt } = fences(tail);
+  if (!fence) return tail.slice(0, closedAt) + closeInline(tail.slice(closedAt));
+  const code = tail.replace(/\n {0,3}[`~]+$/, ""); // a closing fence still arriving is not code
+  return `${code}\n${fence}`;
+}
+
+class StreamingMarkdown {
+  constructor(container) {
+    this.container = container;
+    this.text = "";
+    this.frozen = 0; // characters of this.text already rendered into frozen blocks
+    this.tail = document.createElement("div");
+    this.tail.className = "md-tail";
+    container.append(this.tail);
+  }
+
+  append(text) {
+    this.text += text;
+  }
+
+  // Called at most once per frame: freeze what completed, re-render only the tail.
+  render() {
+    const done = completedLength(this.text);
+    if (done > this.frozen) {
+      const block = document.createElement("div");
+      block.className = "md-block";
+      block.append(renderMarkdown(this.text.slice(this.frozen, done)));
+      this.tail.before(block);
+      this.frozen = done;
+    }
+    this.renderTail(this.text.slice(this.frozen));
+  }
+
+  renderTail(tail) {
+    if (tail === this.tailText) return;
+    this.tailText = tail;
+    this.tail.replaceChildren(renderMarkdown(closeOpen(tail)));
+  }
+
+  // The reply ended: everything is final.
+  finish() {
+    this.tailText = null;
+    this.tail.replaceChildren(renderMarkdown(this.text.slice(this.frozen)));
+  }
+}
+
+window.StreamingMarkdown = StreamingMarkdown;
+window.renderMarkdown = renderMarkdown;
+window.closeOpen = closeOpen;
