@@ -1,23 +1,27 @@
 import csv
 from datetime import timedelta
 
+from django import forms
+from django.conf import settings
 from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
 from django.db.models import Count, F, Sum
 from django.db.models.functions import TruncDate
 from django.http import HttpResponse
+from django.shortcuts import get_object_or_404, redirect
 from django.template.response import TemplateResponse
 from django.urls import path
 from django.utils import timezone
 from django.utils.safestring import mark_safe
 
-from . import charts, ledger
-from .models import ApiKey, Budget, PriceSheet, UsageEntry
+from . import charts, invoices, ledger
+from .models import ApiKey, Budget, Invoice, PriceSheet, UsageEntry
 
 
 @admin.register(UsageEntry)
 class UsageEntryAdmin(admin.ModelAdmin):
     list_display = ["request_id", "received_at", "model", "status", "prompt_tokens", "completion_tokens", "total_cost", "currency", "api_key", "user"]
-    list_filter = ["status", "model", "received_at", "api_key", "user"]
+    list_filter = ["status", "counts_differ", "usage_source", "model", "received_at", "api_key", "user"]
     search_fields = ["request_id"]
     date_hierarchy = "received_at"
     list_select_related = ["api_key", "user"]
@@ -140,3 +144,96 @@ class ApiKeyAdmin(admin.ModelAdmin):
         raw = obj.new_secret()
         super().save_model(request, obj, form, change)
         messages.warning(request, f"The new key is {raw} — copy it now, it is not shown again.")
+
+
+class InvoiceUploadForm(forms.Form):
+    vendor = forms.ChoiceField(choices=[])
+    file = forms.FileField(help_text="The vendor's usage export, as CSV.")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["vendor"].choices = [(name, name) for name in sorted(settings.TOKSTREAM_VENDORS)]
+
+
+@admin.register(Invoice)
+class InvoiceAdmin(admin.ModelAdmin):
+    """Imported vendor exports; each opens on its reconciliation with the ledger."""
+
+    list_display = ["file_name", "vendor", "granularity", "imported_at", "imported_by", "line_count"]
+    list_filter = ["vendor", "granularity"]
+    change_list_template = "admin/billing/invoice/change_list.html"
+
+    @admin.display(description="lines")
+    def line_count(self, invoice):
+        return invoice.lines.count()
+
+    def has_add_permission(self, request):
+        return False  # imports come through the upload form, whole or not at all
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def get_urls(self):
+        view = self.admin_site.admin_view
+        return [
+            path("upload/", view(self.upload_view), name="billing_invoice_upload"),
+            path("<int:invoice_id>/reconciliation/", view(self.reconciliation_view), name="billing_invoice_reconciliation"),
+            *super().get_urls(),
+        ]
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        return redirect("admin:billing_invoice_reconciliation", invoice_id=object_id)
+
+    def upload_view(self, request):
+        form = InvoiceUploadForm(request.POST or None, request.FILES or None)
+        if request.method == "POST" and form.is_valid():
+            upload = form.cleaned_data["file"]
+            try:
+                invoice, created = invoices.import_invoice(form.cleaned_data["vendor"], upload.name, upload.read(), request.user)
+            except invoices.InvoiceError as exc:
+                form.add_error("file", f"{exc}. Nothing was imported.")
+            else:
+                self.message_user(request, "Imported." if created else "This file was imported before: nothing changed.")
+                return redirect("admin:billing_invoice_reconciliation", invoice_id=invoice.pk)
+        context = {**self.admin_site.each_context(request), "title": "Import a vendor usage export", "form": form}
+        return TemplateResponse(request, "admin/billing/invoice/upload.html", context)
+
+    def reconciliation_view(self, request, invoice_id):
+        invoice = get_object_or_404(Invoice, pk=invoice_id)
+        if request.method == "POST":
+            return self.adjust(request, invoice)
+        outcomes = invoices.reconcile(invoice)
+        if request.GET.get("format") == "csv":
+            return reconciliation_csv(invoice, outcomes)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Reconciliation of {invoice}",
+            "invoice": invoice,
+            "outcomes": outcomes,
+            "totals": sorted(invoices.totals(outcomes).items()),
+            "can_adjust": request.user.has_perm("billing.add_usageentry"),
+        }
+        return TemplateResponse(request, "admin/billing/invoice/reconciliation.html", context)
+
+    def adjust(self, request, invoice):
+        """One action: the ledger takes the vendor's counts for one differing line."""
+        if not request.user.has_perm("billing.add_usageentry"):
+            raise PermissionDenied
+        key = request.POST.get("key", "")
+        outcome = next((o for o in invoices.reconcile(invoice) if o.key == key), None)
+        try:
+            if outcome is None:
+                raise invoices.InvoiceError(f"no line {key!r} in this reconciliation")
+            adjustment = invoices.adjust_to_invoice(outcome, invoice)
+        except (invoices.InvoiceError, ledger.CorrectionError) as exc:
+            self.message_user(request, str(exc), messages.ERROR)
+        else:
+            self.message_user(request, f"Adjustment {adjustment.request_id} written for {key}.")
+        return redirect("admin:billing_invoice_reconciliation", invoice_id=invoice.pk)
+
+
+def reconciliation_csv(invoice, outcomes):
+    response = HttpResponse(content_type="text/csv")
+    response["Content-Disposition"] = f'attachment; filename="reconciliation-{invoice.pk}.csv"'
+    csv.writer(response).writerows(invoices.report_rows(outcomes))
+    return response

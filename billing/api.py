@@ -59,6 +59,7 @@ class EntryFilter(django_filters.FilterSet):
     status = django_filters.ChoiceFilter(choices=UsageEntry.Status.choices)
     api_key = django_filters.NumberFilter(field_name="api_key_id")
     user = django_filters.NumberFilter(field_name="user_id")
+    counts_differ = django_filters.BooleanFilter()  # a vendor reported other counts than ours
 
     class Meta:
         model = UsageEntry

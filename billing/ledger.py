@@ -11,6 +11,8 @@ STATUS_OF_REASON = {
     "stop": UsageEntry.Status.COMPLETED,
     "length": UsageEntry.Status.LENGTH,
     "tool_calls": UsageEntry.Status.TOOL_CALLS,
+    "function_call": UsageEntry.Status.TOOL_CALLS,  # an upstream's older name for it
+    "content_filter": UsageEntry.Status.COMPLETED,  # an upstream ended it; what it wrote is billed
     "cancelled": UsageEntry.Status.CANCELLED,
     "error": UsageEntry.Status.FAILED,
 }
@@ -25,6 +27,7 @@ def record(request_id, finish_reason, **fields):
     """Create the entry for this request, or return the one a first delivery (or a racing
     writer) already wrote: the unique request id and the transaction decide."""
     entry = UsageEntry(request_id=request_id, finish_reason=finish_reason, status=STATUS_OF_REASON[finish_reason], **fields)
+    entry.counts_differ = counts_differ(entry)
     price(entry)
     try:
         with transaction.atomic():
@@ -35,6 +38,12 @@ def record(request_id, finish_reason, **fields):
             raise
         return existing
     return entry
+
+
+def counts_differ(entry):
+    """True when a vendor reported counts and they are not ours."""
+    reported = [(entry.vendor_prompt_tokens, entry.prompt_tokens), (entry.vendor_completion_tokens, entry.completion_tokens)]
+    return any(theirs is not None and theirs != ours for theirs, ours in reported)
 
 
 def price(entry):

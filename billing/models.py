@@ -154,6 +154,11 @@ class UsageEntry(AppendOnly):
     steering_tokens = models.IntegerField(default=0, help_text="Of those, injected while it ran.")
     completion_tokens = models.IntegerField(help_text="Ids the model produced.")
     usage_source = models.CharField(max_length=20, default="engine_ids", help_text="How the counts were obtained.")
+    # An upstream vendor's own report of the request, beside our count (empty for local models).
+    vendor_prompt_tokens = models.IntegerField(null=True, blank=True)
+    vendor_cached_prompt_tokens = models.IntegerField(null=True, blank=True)
+    vendor_completion_tokens = models.IntegerField(null=True, blank=True)
+    counts_differ = models.BooleanField(default=False, db_index=True, help_text="The vendor reported other counts than ours.")
     finish_reason = models.CharField(max_length=20)
     status = models.CharField(max_length=20, choices=Status.choices)
     error = models.TextField(blank=True)
@@ -216,10 +221,16 @@ HASHED_FIELDS = (
 )  # fmt: skip
 
 
+# Fields added later join the hash only when they hold a value, so earlier hashes stay true.
+HASHED_WHEN_SET = ("vendor_prompt_tokens", "vendor_cached_prompt_tokens", "vendor_completion_tokens")
+
+
 def content_hash(entry):
     """sha256 over the entry's content and the previous entry's hash (any model class with
     these fields: the migrations use it too)."""
-    text = json.dumps({name: hashable(getattr(entry, name)) for name in HASHED_FIELDS}, sort_keys=True)
+    content = {name: hashable(getattr(entry, name)) for name in HASHED_FIELDS}
+    content.update({name: getattr(entry, name) for name in HASHED_WHEN_SET if getattr(entry, name, None) is not None})
+    text = json.dumps(content, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -266,3 +277,40 @@ class Budget(models.Model):
             tokens=models.Sum(models.F("prompt_tokens") + models.F("completion_tokens")), money=models.Sum("total_cost")
         )
         return totals["tokens"] or 0, totals["money"] or Decimal(0)
+
+
+class Invoice(models.Model):
+    """A vendor's usage export, imported once: the same file again changes nothing."""
+
+    class Granularity(models.TextChoices):
+        REQUEST = "request", "per request"
+        DAY = "day", "per day and model"
+
+    vendor = models.CharField(max_length=50)
+    file_name = models.CharField(max_length=255)
+    sha256 = models.CharField(max_length=64)
+    granularity = models.CharField(max_length=10, choices=Granularity.choices)
+    imported_at = models.DateTimeField(auto_now_add=True)
+    imported_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+
+    class Meta:
+        ordering = ["-imported_at"]
+        constraints = [models.UniqueConstraint(fields=["vendor", "sha256"], name="one_import_per_file")]
+
+    def __str__(self):
+        return f"{self.vendor}: {self.file_name}"
+
+
+class InvoiceLine(models.Model):
+    invoice = models.ForeignKey(Invoice, on_delete=models.CASCADE, related_name="lines")
+    line_number = models.PositiveIntegerField(help_text="In the file, the header being line 1.")
+    request_id = models.CharField(max_length=64, blank=True, db_index=True)
+    day = models.DateField(null=True, blank=True)
+    model = models.CharField(max_length=100, blank=True)
+    input_tokens = models.BigIntegerField()
+    cached_input_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField()
+    cost = models.DecimalField(max_digits=20, decimal_places=9, null=True, blank=True)
+
+    class Meta:
+        ordering = ["invoice", "line_number"]

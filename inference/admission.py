@@ -9,7 +9,7 @@ from django.conf import settings
 
 from billing import budgets
 
-from . import limits, registry, streamlog, tools
+from . import limits, registry, streamlog, tools, upstream
 from .chat_request import checked_max_tokens
 from .engine.kv_cache import BLOCK_SIZE
 from .errors import ApiError, not_found
@@ -79,16 +79,25 @@ def prompt_ids(chat):
     return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True))
 
 
+def prompt_of(chat):
+    """(the ids the local model will read, or None for an upstream; the prompt tokens billed)."""
+    if registry.is_upstream(chat.model):
+        upstream.check(chat)
+        return None, upstream.count_prompt(chat)
+    ids = prompt_ids(chat)
+    return ids, len(ids)
+
+
 def admit(chat, owner):
     """Raises ApiError before anything is written; afterwards the request is queued."""
     received_at = time.time()
-    ids = prompt_ids(chat)
-    max_tokens = checked_max_tokens(chat, len(ids), room_for(chat), settings.TOKSTREAM_DEFAULT_MAX_TOKENS)
+    ids, prompt_tokens = prompt_of(chat)
+    max_tokens = checked_max_tokens(chat, prompt_tokens, room_for(chat), settings.TOKSTREAM_DEFAULT_MAX_TOKENS)
     client = streamlog.sync_client()
     check_served(client, chat.model)
-    limits.check_rate(client, owner, len(ids) + max_tokens * chat.n)
-    admitted = Admitted(f"chatcmpl-{uuid.uuid4().hex}", chat.model, int(time.time()), len(ids), chat.n, received_at)
-    reservation = hold_budget(owner, chat.model, len(ids), max_tokens * chat.n)
+    limits.check_rate(client, owner, prompt_tokens + max_tokens * chat.n)
+    admitted = Admitted(f"chatcmpl-{uuid.uuid4().hex}", chat.model, int(time.time()), prompt_tokens, chat.n, received_at)
+    reservation = hold_budget(owner, chat.model, prompt_tokens, max_tokens * chat.n)
     try:
         enqueue(client, chat, admitted, owner, ids, max_tokens, reservation)
     except Exception:
@@ -100,6 +109,8 @@ def admit(chat, owner):
 def room_for(chat):
     """A sequence never holds more than the worker's whole KV cache, whatever the model allows;
     beams must all fit at once."""
+    if registry.is_upstream(chat.model):
+        return upstream.context_length(chat.model)
     cache_tokens = settings.TOKSTREAM_KV_CACHE_TOKENS // BLOCK_SIZE * BLOCK_SIZE  # as the pool rounds
     return min(registry.context_length(chat.model), cache_tokens // chat.sampling["beam_width"])
 
@@ -128,7 +139,9 @@ def enqueue(client, chat, admitted, owner, ids, max_tokens, reservation):
     task = {
         "request_id": admitted.request_id,
         "model": chat.model,
-        "prompt_ids": ids,
+        "prompt_ids": ids or [],
+        "prompt_tokens": admitted.prompt_tokens,
+        "upstream_body": None if ids is not None else upstream.request_body(chat, max_tokens),
         "params": {"max_tokens": max_tokens, **chat.sampling},
         "n": chat.n,
         "tools": bool(chat.tools),

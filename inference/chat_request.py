@@ -132,7 +132,7 @@ def top_k_of(data):
 
 def logit_bias_of(data):
     bias = data.get("logit_bias") or {}
-    vocabulary = len(registry.tokenizer(data["model"])) if bias else 0
+    vocabulary = registry.vocabulary_size(data["model"]) if bias else 0
     if not isinstance(bias, dict):
         raise invalid("`logit_bias` must map token ids to numbers.", param="logit_bias")
     checked = {}

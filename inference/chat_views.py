@@ -130,6 +130,15 @@ def chat_create(request):
 
 @require_POST
 @session_api
+def chat_tokenize(request):
+    """What the composer's message would cost in its chat (`chat`: an id, or none for a new one), as the user types."""
+    body = json_body(request)
+    chat = owned_chat(request.user, body["chat"]) if body.get("chat") else None
+    return JsonResponse(chats.count_message(request.user, chat, body))
+
+
+@require_POST
+@session_api
 def chat_cancel(request, request_id):
     return cancel(Owner(user_id=request.user.pk), request_id)
 

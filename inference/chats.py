@@ -8,7 +8,7 @@ from django.db import transaction
 
 from billing.models import UsageEntry
 
-from . import chat_request, chunks, streamlog
+from . import chat_request, chunks, prompt_count, streamlog
 from .admission import Owner, admit
 from .errors import ApiError, invalid
 from .models import TITLE_CHARS, Chat, Turn
@@ -45,6 +45,15 @@ def ask(user, chat, messages, body):
     payload = {name: body[name] for name in PARAMETERS if body.get(name) is not None}
     request = chat_request.parse(json.dumps({**payload, "messages": messages, "stream": True}), "application/json")
     return request.model, admit(request, Owner(user_id=user.pk))
+
+
+def count_message(user, chat, body):
+    """What sending `content` now would cost: /v1/tokenize's answer for the whole conversation."""
+    content = checked_text(body.get("content"), "content", required=False)
+    system = chat.system_prompt if chat else checked_text(body.get("system_prompt"), "system_prompt", required=False)
+    payload = {name: body[name] for name in PARAMETERS if body.get(name) is not None}
+    messages = messages_of(chat or Chat(system_prompt=system), content)
+    return prompt_count.tokenize(json.dumps({**payload, "messages": messages}), "application/json")
 
 
 def title_of(text):

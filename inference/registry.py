@@ -4,6 +4,8 @@ import functools
 
 from django.conf import settings
 
+from billing import tiktoken_offline
+
 from .engine import loader
 
 
@@ -16,10 +18,26 @@ def exists(name):
 
 
 def folder(name):
+    """The transformers folder of the model, or of the local model whose tokenizer it uses."""
     entry = settings.TOKSTREAM_MODELS[name]
-    if is_echo(name):
+    if is_echo(name) or is_upstream(name):
         return folder(entry["tokenizer"])
     return loader.resolve_folder(name, entry, settings.TOKSTREAM_MODEL_CACHE)
+
+
+def is_upstream(name):
+    """Served by an OpenAI-compatible upstream (inference/upstream.py), not by our engine."""
+    return settings.TOKSTREAM_MODELS[name]["source"] == "openai-compatible"
+
+
+def uses_tiktoken(name):
+    return is_upstream(name) and settings.TOKSTREAM_MODELS[name]["tokenizer"] in tiktoken_offline.ENCODINGS
+
+
+def vocabulary_size(name):
+    if uses_tiktoken(name):
+        return tiktoken_offline.encoding(settings.TOKSTREAM_MODELS[name]["tokenizer"]).n_vocab
+    return len(tokenizer(name))
 
 
 def is_echo(name):
@@ -44,7 +62,10 @@ def warm_tokenizers():
     """Load the tokenizers at start-up so the first request does not wait for them."""
     for name in names():
         try:
-            tokenizer(name)
+            if uses_tiktoken(name):
+                tiktoken_offline.encoding(settings.TOKSTREAM_MODELS[name]["tokenizer"])
+            else:
+                tokenizer(name)
         except FileNotFoundError:
             pass  # not prepared yet: the request will get a clear error
 

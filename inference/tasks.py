@@ -14,7 +14,7 @@ from celery import shared_task
 from billing import ledger
 from billing.models import UsageEntry
 
-from . import chats, limits, metrics, streamlog
+from . import chats, limits, metrics, streamlog, upstream
 from .admission import release_hold
 from .engine import SamplingParams, choices
 from .tools import ToolCallParser
@@ -25,9 +25,11 @@ DRAIN_SECONDS = 30
 
 
 @shared_task(name="inference.tasks.generate")
-def generate(request_id, model, prompt_ids, params, received_at, api_key_id=None, user_id=None, n=1, tools=False, reservation=None):
+def generate(request_id, model, prompt_ids, params, received_at, api_key_id=None, user_id=None, n=1, tools=False, reservation=None, upstream_body=None, prompt_tokens=0):
     if UsageEntry.objects.filter(request_id=request_id).exists():
         return  # a second delivery of a request already recorded
+    if upstream_body is not None:
+        return relay_upstream(request_id, model, upstream_body, prompt_tokens, received_at, api_key_id, user_id, reservation)
     requests = choices(request_id, prompt_ids, SamplingParams(**params), n)
     client = streamlog.sync_client()
     tokenizer_id, gaps = "", []
@@ -43,15 +45,38 @@ def generate(request_id, model, prompt_ids, params, received_at, api_key_id=None
                 request.finish_reason, request.error = "error", f"generation failed: {exc}"
     finally:
         outcome = Outcome.of(requests)
-        try:
-            record(request_id, requests, outcome, model, tokenizer_id, received_at, api_key_id, user_id)
-        except Exception:  # the client still gets its end; the operator gets the alarm
-            log.critical("no ledger entry could be written for request %s", request_id, exc_info=True)
-        release(client, request_id, reservation)
-        streamlog.append(client, request_id, end_entry(requests, outcome))
-        limits.leave_queue(client, model, request_id)  # when no worker could claim it
-        record_metrics(client, model, outcome, received_at, gaps)
-        keep_chat_reply(request_id)
+        finish_reasons = [r.finish_reason or "error" for r in requests]
+        write_entry = lambda: record(request_id, requests, outcome, model, tokenizer_id, received_at, api_key_id, user_id)  # noqa: E731
+        finish(client, request_id, model, outcome, finish_reasons, write_entry, received_at, reservation, gaps)
+
+
+def relay_upstream(request_id, model, body, prompt_tokens, received_at, api_key_id, user_id, reservation):
+    """A request for an upstream model: its stream relayed into the log, counted by us."""
+    client = streamlog.sync_client()
+    relay, started_at = upstream.Relay(model, request_id), time.time()
+    try:
+        limits.claim(client, request_id, model, engine_loop(model).worker_id)
+        relay.run(client, body)
+    except Exception as exc:
+        log.exception("request %s failed", request_id)
+        relay.fail(f"the relay failed: {exc}")
+    finally:
+        outcome = Outcome(relay.finish_reason, prompt_tokens, relay.completion_tokens(), relay.error, started_at, relay.first_token_at, time.time())
+        write_entry = lambda: record_upstream(request_id, model, relay, outcome, received_at, api_key_id, user_id)  # noqa: E731
+        finish(client, request_id, model, outcome, [relay.finish_reason], write_entry, received_at, reservation, [])
+
+
+def finish(client, request_id, model, outcome, finish_reasons, write_entry, received_at, reservation, gaps):
+    """Whatever happened: one ledger entry, the budget hold back, the end of the log."""
+    try:
+        write_entry()
+    except Exception:  # the client still gets its end; the operator gets the alarm
+        log.critical("no ledger entry could be written for request %s", request_id, exc_info=True)
+    release(client, request_id, reservation)
+    streamlog.append(client, request_id, end_entry(finish_reasons, outcome))
+    limits.leave_queue(client, model, request_id)  # when no worker could claim it
+    record_metrics(client, model, outcome, received_at, gaps)
+    keep_chat_reply(request_id)
 
 
 def keep_chat_reply(request_id):
@@ -199,6 +224,18 @@ class Outcome:
             finished_at=max((r.finished_at or time.time()) for r in requests),
         )
 
+    def ledger_fields(self, received_at):
+        """What every ledger entry takes from the outcome."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "error": self.error,
+            "received_at": ledger.as_datetime(received_at),
+            "started_at": ledger.as_datetime(self.started_at),
+            "first_token_at": ledger.as_datetime(self.first_token_at),
+            "finished_at": ledger.as_datetime(self.finished_at),
+        }
+
     def usage(self):
         total = self.prompt_tokens + self.completion_tokens
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
@@ -218,15 +255,30 @@ def record(request_id, requests, outcome, model, tokenizer_id, received_at, api_
         model=model,
         model_served=model,
         tokenizer=tokenizer_id,
-        prompt_tokens=outcome.prompt_tokens,
         cached_prompt_tokens=requests[0].cached_tokens,  # the prompt is billed once, as choice 0 read it
         steering_tokens=sum(r.steered_tokens for r in requests),
-        completion_tokens=outcome.completion_tokens,
-        error=outcome.error,
-        received_at=ledger.as_datetime(received_at),
-        started_at=ledger.as_datetime(outcome.started_at),
-        first_token_at=ledger.as_datetime(outcome.first_token_at),
-        finished_at=ledger.as_datetime(outcome.finished_at),
+        **outcome.ledger_fields(received_at),
+    )
+
+
+def record_upstream(request_id, model, relay, outcome, received_at, api_key_id, user_id):
+    """Our counts are the entry's; the vendor's, when it reported them, stand beside them."""
+    vendor = relay.vendor_usage or {}
+    cached = (vendor.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return ledger.record(
+        request_id,
+        outcome.finish_reason,
+        api_key_id=api_key_id,
+        user_id=user_id,
+        model=model,
+        model_served=upstream.entry(model)["upstream_model"],
+        tokenizer=upstream.tokenizer_id(model),
+        cached_prompt_tokens=min(cached, outcome.prompt_tokens),
+        usage_source="upstream_counted",
+        vendor_prompt_tokens=vendor.get("prompt_tokens"),
+        vendor_cached_prompt_tokens=cached if vendor else None,
+        vendor_completion_tokens=vendor.get("completion_tokens"),
+        **outcome.ledger_fields(received_at),
     )
 
 
@@ -246,9 +298,9 @@ def record_metrics(client, model, outcome, received_at, gaps):
         log.warning("metrics for request %s were not recorded", model, exc_info=True)
 
 
-def end_entry(requests, outcome):
+def end_entry(finish_reasons, outcome):
     """The last log entry: the same counts the ledger entry was given, and each choice's ending."""
-    end = {"t": "end", "finish_reasons": [r.finish_reason or "error" for r in requests], "usage": outcome.usage()}
+    end = {"t": "end", "finish_reasons": finish_reasons, "usage": outcome.usage()}
     if outcome.error:
         end["error"] = outcome.error
     return end

@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from billing.models import ApiKey
 
-from . import metrics, registry, streamlog
+from . import metrics, prompt_count, registry, streamlog
 from .admission import Owner, owned_meta
 from .errors import ApiError, forbidden, invalid, unauthorized
 
@@ -104,6 +104,11 @@ def workers_ok():
 @api_post
 def api_cancel(request, owner, request_id):
     return cancel(owner, request_id)
+
+
+@api_post
+def api_tokenize(request, owner):
+    return JsonResponse(prompt_count.tokenize(request.body, request.content_type))
 
 
 @api_post

@@ -116,9 +116,35 @@ def warm_up(engine):
         engine.step()
 
 
+class UpstreamBeat(threading.Thread):
+    """An upstream model needs no engine, but readers and admission must know that this worker
+    can relay it (and when the worker died): it beats like an engine."""
+
+    def __init__(self, name, redis_client):
+        super().__init__(daemon=True, name=f"upstream-{name}")
+        self.name_of_model = name
+        self.redis = redis_client
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:upstream"
+
+    def run(self):
+        while True:
+            try:
+                streamlog.heartbeat(self.redis, self.worker_id, self.name_of_model)
+            except Exception:  # Redis went away: beat again later
+                log.exception("heartbeat of upstream model %s failed", self.name_of_model)
+            time.sleep(settings.TOKSTREAM_WORKER_TTL / 3)
+
+    def load(self):
+        return 0
+
+
 def start_loops(name):
     """One engine per device (every GPU, with TOKSTREAM_DEVICE=auto): a model small enough
     for one GPU serves from all of them."""
+    if registry.is_upstream(name):
+        beat = UpstreamBeat(name, streamlog.sync_client())
+        beat.start()
+        return [beat]
     loops = []
     for device in ["cpu"] if registry.is_echo(name) else registry.devices():
         lm = registry.load(name, device)
@@ -133,4 +159,4 @@ def engine_loop(name):
     with _loops_lock:
         if name not in _loops:
             _loops[name] = start_loops(name)
-        return min(_loops[name], key=EngineLoop.load)
+        return min(_loops[name], key=lambda loop: loop.load())

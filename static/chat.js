@@ -369,6 +369,8 @@ async function send() {
   try {
     const answer = await post(url, { content, system_prompt: $("system-prompt").value, ...parameters() });
     prompt.value = "";
+    countAsked++;
+    $("prompt-count").textContent = "";
     userNode.dataset.turnId = answer.turns[0].id;
     rememberChat(answer.chat);
     startReply(answer, sentAt);
@@ -439,6 +441,31 @@ async function steer() {
   }
 }
 
+// -- what the message would cost, as it is typed --------------------------------------------
+
+const COUNT_AFTER_MS = 300;
+let countTimer = 0;
+let countAsked = 0;
+
+function countSoon() {
+  clearTimeout(countTimer);
+  countTimer = setTimeout(countPrompt, COUNT_AFTER_MS);
+}
+
+async function countPrompt() {
+  const asked = ++countAsked;
+  const content = prompt.value;
+  if (!content.trim() || checkTools()) return ($("prompt-count").textContent = "");
+  try {
+    const counted = await post("/api/chats/count", { chat: state.chat.id, content, system_prompt: $("system-prompt").value, ...parameters() });
+    if (asked !== countAsked) return; // a later keystroke asked again
+    const cost = counted.estimated_cost ? ` · ${counted.estimated_cost.prompt} ${counted.estimated_cost.currency}` : "";
+    $("prompt-count").textContent = `${counted.prompt_tokens} prompt tokens${cost}`;
+  } catch {
+    if (asked === countAsked) $("prompt-count").textContent = "";
+  }
+}
+
 // -- the history the server kept ---------------------------------------------------------
 
 function showSavedTurns(turns) {
@@ -493,6 +520,8 @@ $("composer").addEventListener("submit", (event) => {
   event.preventDefault();
   send();
 });
+prompt.addEventListener("input", countSoon);
+$("model").addEventListener("change", countSoon);
 prompt.addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
     event.preventDefault();

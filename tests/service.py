@@ -1,5 +1,6 @@
 """Start the service's real processes for a test session."""
 
+import json
 import os
 import subprocess
 import time
@@ -7,7 +8,6 @@ from pathlib import Path
 
 import httpx
 
-from inference import registry
 from tests.settings import free_port
 from tokstream_site import processes
 
@@ -67,7 +67,7 @@ class LiveService:
         if response.status_code != 200:
             return False
         served = response.json()["checks"]["workers"]["models"]  # model -> engines serving it
-        return all(served.get(name, 0) >= self.workers for name in registry.names())
+        return all(served.get(name, 0) >= self.workers for name in json.loads(self.env["TOKSTREAM_MODELS"]))
 
     def stop(self):
         for child in self.children:

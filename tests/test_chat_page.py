@@ -349,3 +349,20 @@ def test_the_view_follows_new_text_only_while_the_reader_is_at_the_bottom(browse
     browser.wait_until_done()
     assert below_view(page) < 24
     assert not page.is_visible("#jump")
+
+
+def test_the_composer_shows_the_prompt_s_tokens_and_cost_as_it_is_typed(browser):
+    price("echo")
+    page = browser.page
+    page.click("summary")
+    page.select_option("#model", "echo")
+    page.click("summary")
+    page.type("#prompt", "How many tokens is this?")
+    page.wait_for_function("() => document.querySelector('#prompt-count').textContent.includes('prompt tokens')")
+    shown = page.text_content("#prompt-count")
+    page.press("#prompt", "Enter")
+    browser.wait_until_done()
+    entry = wait_for_entry(seconds=15)
+    cost = format((Decimal(entry.prompt_tokens) * Decimal("0.15") / 1_000_000).normalize(), "f")
+    assert shown == f"{entry.prompt_tokens} prompt tokens · {cost} USD"
+    assert page.text_content("#prompt-count") == ""

@@ -125,9 +125,15 @@ if not isinstance(TOKSTREAM_MODELS, dict) or not all(
     isinstance(entry, dict) and isinstance(entry.get("source"), str) for entry in TOKSTREAM_MODELS.values()
 ):
     raise ImproperlyConfigured('TOKSTREAM_MODELS must map names to {"source": "..."} objects')
+_LOCAL_TOKENIZER = lambda name: TOKSTREAM_MODELS.get(name, {}).get("source", "echo") not in ("echo", "openai-compatible")  # noqa: E731
 for _name, _entry in TOKSTREAM_MODELS.items():
-    if _entry["source"] == "echo" and TOKSTREAM_MODELS.get(_entry.get("tokenizer"), {}).get("source", "echo") == "echo":
-        raise ImproperlyConfigured(f'TOKSTREAM_MODELS: the echo model {_name!r} needs "tokenizer": the name of another registered model')
+    if _entry["source"] == "echo" and not _LOCAL_TOKENIZER(_entry.get("tokenizer")):
+        raise ImproperlyConfigured(f'TOKSTREAM_MODELS: the echo model {_name!r} needs "tokenizer": the name of a registered local model')
+    if _entry["source"] == "openai-compatible":
+        if not all(isinstance(_entry.get(field), str) for field in ("base_url", "upstream_model", "tokenizer")):
+            raise ImproperlyConfigured(f'TOKSTREAM_MODELS: the upstream model {_name!r} needs "base_url", "upstream_model" and "tokenizer"')
+        if _entry["tokenizer"] not in ("cl100k_base", "o200k_base") and not _LOCAL_TOKENIZER(_entry["tokenizer"]):
+            raise ImproperlyConfigured(f"TOKSTREAM_MODELS: the tokenizer of {_name!r} must be cl100k_base, o200k_base or a registered local model")
 TOKSTREAM_MODEL_CACHE = Path(env_str("TOKSTREAM_MODEL_CACHE", str(CACHE_DIR / "models")))
 TOKSTREAM_DEVICE = env_str("TOKSTREAM_DEVICE", "auto")
 if not re.fullmatch(r"auto|(cpu|mps|cuda(:\d+)?)(,(cpu|mps|cuda(:\d+)?))*", TOKSTREAM_DEVICE):
@@ -146,6 +152,28 @@ TOKSTREAM_WORKER_TTL = env_int("TOKSTREAM_WORKER_TTL", 15, minimum=2)
 TOKSTREAM_ABANDON_SECONDS = env_int("TOKSTREAM_ABANDON_SECONDS", 10, minimum=0)
 TOKSTREAM_MAX_QUEUED = env_int("TOKSTREAM_MAX_QUEUED", 64, minimum=1)
 TOKSTREAM_COALESCE_MS = env_int("TOKSTREAM_COALESCE_MS", 0, minimum=0)
+
+# Vendors whose usage exports (CSV) are reconciled with the ledger: which column holds what,
+# which of our models the vendor serves, and how far counts and costs may differ unflagged.
+TOKSTREAM_VENDORS = env_json(
+    "TOKSTREAM_VENDORS",
+    {
+        "openai": {
+            "columns": {
+                "request_id": "request_id",
+                "day": "date",
+                "model": "model",
+                "input_tokens": "input_tokens",
+                "cached_input_tokens": "input_cached_tokens",
+                "output_tokens": "output_tokens",
+                "cost": "cost",
+            },
+            "models": [],
+            "tolerance_tokens": 0,
+            "tolerance_cost": "0.000001",
+        }
+    },
+)
 
 # The API reads bodies itself (inference.sse); the page's POST goes through Django: same limit.
 DATA_UPLOAD_MAX_MEMORY_SIZE = TOKSTREAM_MAX_BODY_BYTES

@@ -1,0 +1,53 @@
+"""Count a chat request without running it: its exact prompt tokens (the ids the model would
+read, as admission counts them) and what it would cost at the price sheet in force."""
+
+import time
+
+from django.conf import settings
+from django.utils import timezone
+
+from billing.models import PriceSheet
+
+from . import chat_request, registry, upstream
+from .admission import prompt_of, room_for
+from .chat_request import checked_max_tokens
+
+
+def tokenize(body, content_type):
+    """The answer of POST /v1/tokenize; refusals are the chat endpoint's, word for word."""
+    chat = chat_request.parse(body, content_type)
+    _, prompt_tokens = prompt_of(chat)
+    max_tokens = checked_max_tokens(chat, prompt_tokens, room_for(chat), settings.TOKSTREAM_DEFAULT_MAX_TOKENS)
+    return {
+        "object": "tokenize",
+        "model": chat.model,
+        "tokenizer": tokenizer_id(chat.model),
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": max_tokens,
+        "estimated_cost": estimate(chat.model, prompt_tokens, max_tokens * chat.n),
+        "created": int(time.time()),
+    }
+
+
+def tokenizer_id(model):
+    """As the ledger will name it."""
+    from .engine import loader
+
+    if registry.is_upstream(model):
+        return upstream.tokenizer_id(model)
+    return f"{model}:{loader.tokenizer_identity(registry.folder(model))}"
+
+
+def estimate(model, prompt_tokens, completion_budget):
+    """Prompt cost (as if nothing were cached) and the most the completion could add; None
+    when the model has no price sheet."""
+    sheet = PriceSheet.in_force(model, timezone.now())
+    if sheet is None:
+        return None
+    prompt = sheet.costs(prompt_tokens, 0, 0)["total_cost"]
+    most = sheet.costs(prompt_tokens, 0, completion_budget)["total_cost"]
+    return {"prompt": decimal_text(prompt), "at_most": decimal_text(most), "currency": sheet.currency}
+
+
+def decimal_text(value):
+    return format(value.normalize(), "f")
