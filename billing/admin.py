@@ -185,6 +185,8 @@ class InvoiceAdmin(admin.ModelAdmin):
         return redirect("admin:billing_invoice_reconciliation", invoice_id=object_id)
 
     def upload_view(self, request):
+        if not request.user.has_perm("billing.add_invoice"):
+            raise PermissionDenied
         form = InvoiceUploadForm(request.POST or None, request.FILES or None)
         if request.method == "POST" and form.is_valid():
             upload = form.cleaned_data["file"]
@@ -200,6 +202,8 @@ class InvoiceAdmin(admin.ModelAdmin):
 
     def reconciliation_view(self, request, invoice_id):
         invoice = get_object_or_404(Invoice, pk=invoice_id)
+        if not self.has_view_permission(request, invoice):
+            raise PermissionDenied
         if request.method == "POST":
             return self.adjust(request, invoice)
         outcomes = invoices.reconcile(invoice)
@@ -220,11 +224,8 @@ class InvoiceAdmin(admin.ModelAdmin):
         if not request.user.has_perm("billing.add_usageentry"):
             raise PermissionDenied
         key = request.POST.get("key", "")
-        outcome = next((o for o in invoices.reconcile(invoice) if o.key == key), None)
         try:
-            if outcome is None:
-                raise invoices.InvoiceError(f"no line {key!r} in this reconciliation")
-            adjustment = invoices.adjust_to_invoice(outcome, invoice)
+            adjustment = invoices.adjust_to_invoice(invoice, key)
         except (invoices.InvoiceError, ledger.CorrectionError) as exc:
             self.message_user(request, str(exc), messages.ERROR)
         else:

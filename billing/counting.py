@@ -39,21 +39,27 @@ def tools_tokens(tools, encoding_name):
 
 
 def function_tokens(function, rules, encoding_name):
-    total = rules["function"] + text_tokens(f"{function['name']}:{without_period(function.get('description', ''))}", encoding_name)
-    properties = function.get("parameters", {}).get("properties", {})
+    total = rules["function"] + text_tokens(f"{function.get('name', '')}:{without_period(function.get('description'))}", encoding_name)
+    properties = as_dict(as_dict(function.get("parameters")).get("properties"))
     if properties:
         total += rules["properties"]
     for name, schema in properties.items():
-        total += rules["property"] + property_tokens(name, schema, rules, encoding_name)
+        total += rules["property"] + property_tokens(name, as_dict(schema), rules, encoding_name)
     return total
 
 
 def property_tokens(name, schema, rules, encoding_name):
     total = 0
-    if "enum" in schema:
+    if isinstance(schema.get("enum"), list):
         total += rules["enum"] + sum(rules["enum_item"] + text_tokens(str(item), encoding_name) for item in schema["enum"])
-    return total + text_tokens(f"{name}:{schema.get('type', '')}:{without_period(schema.get('description', ''))}", encoding_name)
+    return total + text_tokens(f"{name}:{schema.get('type', '')}:{without_period(schema.get('description'))}", encoding_name)
+
+
+def as_dict(value):
+    """A schema part that is not an object adds nothing (the vendor would refuse it anyway)."""
+    return value if isinstance(value, dict) else {}
 
 
 def without_period(text):
+    text = text if isinstance(text, str) else ""
     return text[:-1] if text.endswith(".") else text

@@ -16,8 +16,8 @@ from datetime import date, datetime, time, timedelta, timezone
 from decimal import Decimal, InvalidOperation
 
 from django.conf import settings
-from django.db import transaction
-from django.db.models import Sum
+from django.db import IntegrityError, transaction
+from django.db.models import Case, F, Q, Sum, When
 
 from . import ledger
 from .models import Invoice, InvoiceLine, UsageEntry
@@ -52,9 +52,12 @@ def import_invoice(vendor, file_name, data, user=None):
     if existing:
         return existing, False
     granularity, lines = parse(data, columns)
-    with transaction.atomic():
-        invoice = Invoice.objects.create(vendor=vendor, file_name=file_name, sha256=digest, granularity=granularity, imported_by=user)
-        InvoiceLine.objects.bulk_create(InvoiceLine(invoice=invoice, **line) for line in lines)
+    try:
+        with transaction.atomic():
+            invoice = Invoice.objects.create(vendor=vendor, file_name=file_name, sha256=digest, granularity=granularity, imported_by=user)
+            InvoiceLine.objects.bulk_create(InvoiceLine(invoice=invoice, **line) for line in lines)
+    except IntegrityError:  # the same file, imported by someone else a moment ago
+        return Invoice.objects.get(vendor=vendor, sha256=digest), False
     return invoice, True
 
 
@@ -66,7 +69,14 @@ def parse(data, columns):
     reader = csv.DictReader(io.StringIO(text, newline=""))
     header = reader.fieldnames or []
     granularity = granularity_of(header, columns)
-    lines = [parse_line(row, reader.line_num, granularity, columns) for row in reader]
+    lines, seen = [], {}
+    for row in reader:
+        line = parse_line(row, reader.line_num, granularity, columns)
+        key = line["request_id"] if granularity == Invoice.Granularity.REQUEST else (line["day"], line["model"])
+        if key in seen:
+            bad(line["line_number"], f"the same {'request' if granularity == Invoice.Granularity.REQUEST else 'day and model'} as line {seen[key]}")
+        seen[key] = line["line_number"]
+        lines.append(line)
     if not lines:
         raise InvoiceError("the file has no lines")
     return granularity, lines
@@ -185,6 +195,11 @@ def vendor_models(rules, lines):
     return set(rules.get("models") or []) or {line.model for line in lines if line.model}
 
 
+def of_models(models):
+    """Entries of these models, by our name or by the name the vendor served them under."""
+    return Q(model__in=models) | Q(model_served__in=models)
+
+
 def period(lines, entries):
     """The invoice's days, or the days of the entries it names when it gives none."""
     days = [line.day for line in lines if line.day] or [e.received_at.date() for e in entries]
@@ -194,19 +209,25 @@ def period(lines, entries):
     return start, datetime.combine(max(days) + timedelta(days=1), time.min, tzinfo=timezone.utc)
 
 
+def request_key(entry, named):
+    """A line names a request by our id, or by the vendor's (a relayed request)."""
+    return entry.vendor_request_id if entry.vendor_request_id in named else entry.request_id
+
+
 def net_by_request(lines, rules, invoice):
-    """request id -> net Counts, and request id -> usage entry, for the invoice's requests and
+    """line key -> net Counts, and line key -> usage entry, for the invoice's requests and
     every other entry of the vendor's models in its period."""
-    named = UsageEntry.objects.filter(kind=UsageEntry.Kind.USAGE, request_id__in=[line.request_id for line in lines])
-    entries = {e.request_id: e for e in named}
+    named = {line.request_id for line in lines}
+    usage = UsageEntry.objects.filter(kind=UsageEntry.Kind.USAGE)
+    entries = {request_key(e, named): e for e in usage.filter(Q(request_id__in=named) | Q(vendor_request_id__in=named))}
     span = period(lines, entries.values())
     if span:
-        others = UsageEntry.objects.filter(kind=UsageEntry.Kind.USAGE, model__in=vendor_models(rules, lines), received_at__gte=span[0], received_at__lt=span[1])
-        entries.update({e.request_id: e for e in others})
+        others = usage.filter(of_models(vendor_models(rules, lines)), received_at__gte=span[0], received_at__lt=span[1])
+        entries.update({request_key(e, named): e for e in others if request_key(e, named) not in entries})
     corrections = defaultdict(list)
     for correction in UsageEntry.objects.filter(corrects__in=entries.values()).exclude(kind=UsageEntry.Kind.USAGE):
         corrections[correction.corrects_id].append(correction)
-    return {rid: net_counts(e, corrections[e.pk]) for rid, e in entries.items()}, entries
+    return {key: net_counts(e, corrections[e.pk]) for key, e in entries.items()}, entries
 
 
 def net_counts(entry, corrections):
@@ -228,11 +249,12 @@ def net_by_day(lines, rules):
     """"day model" -> the ledger's net Counts (corrections count on their entry's day)."""
     span = period(lines, [])
     rows = (
-        UsageEntry.objects.filter(model__in=vendor_models(rules, lines), received_at__gte=span[0], received_at__lt=span[1])
-        .values("received_at__date", "model")
+        UsageEntry.objects.filter(of_models(vendor_models(rules, lines)), received_at__gte=span[0], received_at__lt=span[1])
+        .annotate(served=Case(When(model_served="", then=F("model")), default=F("model_served")))
+        .values("received_at__date", "served")
         .annotate(i=Sum("prompt_tokens"), c=Sum("cached_prompt_tokens"), o=Sum("completion_tokens"), cost=Sum("total_cost"))
     )
-    return {day_key(r["received_at__date"], r["model"]): Counts(r["i"], r["c"], r["o"], r["cost"]) for r in rows}
+    return {day_key(r["received_at__date"], r["served"]): Counts(r["i"], r["c"], r["o"], r["cost"]) for r in rows}
 
 
 def totals(outcomes):
@@ -245,19 +267,28 @@ def totals(outcomes):
     return dict(summary)
 
 
-def adjust_to_invoice(outcome, invoice):
+def adjust_to_invoice(invoice, key):
     """Turn a per-request difference into an adjustment entry: the ledger then says what the
-    vendor billed. The adjustment's reason names the invoice and line."""
-    if outcome.status != "differs" or outcome.entry is None:
-        raise InvoiceError("only a differing per-request line can become an adjustment")
-    changes = {OURS[name]: outcome.differences[name] for name in COUNTS if outcome.differences[name]}
-    if outcome.differences.get("cost"):
-        changes["total_cost"] = outcome.differences["cost"]
-    reason = f"invoice {invoice.pk} ({invoice.vendor}, {invoice.file_name}) line {outcome.line.line_number}"
-    return ledger.adjust(outcome.entry, reason, **changes)
+    vendor billed. Staff clicking twice make one: the invoice row is locked, and a line that
+    already has its adjustment is matched by then."""
+    with transaction.atomic():
+        Invoice.objects.select_for_update().get(pk=invoice.pk)
+        outcome = next((o for o in reconcile(invoice) if o.key == key), None)
+        if outcome is None or outcome.status != "differs" or outcome.entry is None:
+            raise InvoiceError(f"{key!r} is not a differing per-request line of this invoice (now)")
+        changes = {OURS[name]: outcome.differences[name] for name in COUNTS if outcome.differences[name]}
+        if outcome.differences.get("cost"):
+            changes["total_cost"] = outcome.differences["cost"]
+        reason = f"invoice {invoice.pk} ({invoice.vendor}, {invoice.file_name}) line {outcome.line.line_number}"
+        return ledger.adjust(outcome.entry, reason, **changes)
 
 
 REPORT_COLUMNS = ["status", "key", "line", *[f"ours_{n}" for n in COUNTS], "ours_cost", *[f"theirs_{n}" for n in COUNTS], "theirs_cost", *[f"difference_{n}" for n in COUNTS], "difference_cost"]
+
+
+def spreadsheet_safe(value):
+    """A vendor's text never becomes a formula in the spreadsheet that opens the report."""
+    return f"'{value}" if isinstance(value, str) and value[:1] in ("=", "+", "-", "@") else value
 
 
 def report_rows(outcomes):
@@ -267,4 +298,5 @@ def report_rows(outcomes):
         ours = [getattr(o.ours, n) if o.ours else "" for n in (*COUNTS, "cost")]
         theirs = [getattr(o.theirs, n) if o.theirs else "" for n in (*COUNTS, "cost")]
         diffs = [o.differences.get(n, "") for n in (*COUNTS, "cost")]
-        yield [o.status, o.key, o.line.line_number if o.line else "", *["" if v is None else v for v in ours + theirs], *diffs]
+        row = [o.status, o.key, o.line.line_number if o.line else "", *["" if v is None else v for v in ours + theirs], *diffs]
+        yield [spreadsheet_safe(value) for value in row]

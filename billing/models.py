@@ -155,6 +155,7 @@ class UsageEntry(AppendOnly):
     completion_tokens = models.IntegerField(help_text="Ids the model produced.")
     usage_source = models.CharField(max_length=20, default="engine_ids", help_text="How the counts were obtained.")
     # An upstream vendor's own report of the request, beside our count (empty for local models).
+    vendor_request_id = models.CharField(max_length=100, blank=True, db_index=True, help_text="The upstream's id of the request.")
     vendor_prompt_tokens = models.IntegerField(null=True, blank=True)
     vendor_cached_prompt_tokens = models.IntegerField(null=True, blank=True)
     vendor_completion_tokens = models.IntegerField(null=True, blank=True)
@@ -222,14 +223,14 @@ HASHED_FIELDS = (
 
 
 # Fields added later join the hash only when they hold a value, so earlier hashes stay true.
-HASHED_WHEN_SET = ("vendor_prompt_tokens", "vendor_cached_prompt_tokens", "vendor_completion_tokens")
+HASHED_WHEN_SET = ("vendor_request_id", "vendor_prompt_tokens", "vendor_cached_prompt_tokens", "vendor_completion_tokens")
 
 
 def content_hash(entry):
     """sha256 over the entry's content and the previous entry's hash (any model class with
     these fields: the migrations use it too)."""
     content = {name: hashable(getattr(entry, name)) for name in HASHED_FIELDS}
-    content.update({name: getattr(entry, name) for name in HASHED_WHEN_SET if getattr(entry, name, None) is not None})
+    content.update({name: getattr(entry, name) for name in HASHED_WHEN_SET if getattr(entry, name, None) not in (None, "")})
     text = json.dumps(content, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -132,10 +132,6 @@ def release_hold(client, request_id, reservation):
 def enqueue(client, chat, admitted, owner, ids, max_tokens, reservation):
     from .tasks import generate
 
-    position = limits.join_queue(client, chat.model, admitted.request_id)
-    streamlog.save_meta(client, admitted.request_id, {**admitted.meta(owner), "reservation": json.dumps(reservation)})
-    # The stream opens as OpenAI's does, with the role, and says where the request waits.
-    streamlog.append(client, admitted.request_id, {"t": "open", "n": chat.n, "queue_position": position})
     task = {
         "request_id": admitted.request_id,
         "model": chat.model,
@@ -150,6 +146,10 @@ def enqueue(client, chat, admitted, owner, ids, max_tokens, reservation):
         "user_id": owner.user_id,
         "reservation": reservation,
     }
+    position = limits.join_queue(client, chat.model, admitted.request_id)
+    streamlog.save_meta(client, admitted.request_id, {**admitted.meta(owner), "reservation": json.dumps(reservation)})
+    # The stream opens as OpenAI's does, with the role, and says where the request waits.
+    streamlog.append(client, admitted.request_id, {"t": "open", "n": chat.n, "queue_position": position})
     try:
         generate.apply_async(kwargs=task, queue="inference")
     except Exception:  # leave nothing half-made

@@ -36,6 +36,7 @@ class ChatRequest:
     tools: list[dict] = field(default_factory=list)  # offered to the model (none with tool_choice "none")
     detach: bool = False  # keep running when the client of the POST leaves, for a later resume
     sampling: dict = field(default_factory=dict)  # the engine's SamplingParams, but max_tokens
+    original_messages: list[dict] = field(default_factory=list)  # as the client sent them: what an upstream gets
 
 
 def parse(body, content_type):
@@ -62,6 +63,7 @@ def parse(body, content_type):
         sampling=sampling_of(data),
     )
     check_beam_search(chat)
+    chat.original_messages = data["messages"]
     return chat
 
 

@@ -8,7 +8,7 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import RequestDataTooBig
 from django.http import JsonResponse
 from django.shortcuts import get_object_or_404, render
-from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.http import require_GET
 
 from . import chat_request, chats, registry
 from .admission import Owner, admit
@@ -33,13 +33,19 @@ PAGE_CSP = "; ".join(
 )
 
 
-def session_api(view):
-    """A signed-in user's JSON endpoint: errors in the OpenAI shape."""
+def session_api(method):
+    """A signed-in user's JSON endpoint for one HTTP method: errors in the OpenAI shape."""
+    return functools.partial(session_api_view, method=method)
 
+
+def session_api_view(view, method):
     @functools.wraps(view)
-    @login_required
     def wrapper(request, *args, **kwargs):
         try:
+            if not request.user.is_authenticated:
+                raise ApiError(401, "Sign in first: this endpoint belongs to the chat page.", type="invalid_request_error", code="not_signed_in")
+            if request.method != method:
+                raise ApiError(405, f"Use {method}.", code="method_not_allowed")
             return view(request, *args, **kwargs)
         except RequestDataTooBig:
             return error_response(too_large(settings.TOKSTREAM_MAX_BODY_BYTES))
@@ -60,7 +66,7 @@ def json_body(request):
 
 
 def owned_chat(user, chat_id):
-    chat = Chat.objects.filter(pk=chat_id, user=user).first()
+    chat = Chat.objects.filter(pk=chat_id, user=user).first() if str(chat_id).isdigit() else None
     if chat is None:
         raise not_found(f"No chat {chat_id} is yours.", param="chat")
     return chat
@@ -82,14 +88,12 @@ def chat_page(request, chat_id=None):
     return response
 
 
-@require_GET
-@session_api
+@session_api("GET")
 def chat_list(request):
     return JsonResponse({"data": [chats.chat_json(c) for c in request.user.chats.all()[:200]]})
 
 
-@require_GET
-@session_api
+@session_api("GET")
 def chat_detail(request, chat_id):
     chat = owned_chat(request.user, chat_id)
     return JsonResponse({**chats.chat_json(chat), "turns": chats.turns_json(chat)})
@@ -107,29 +111,25 @@ def reply_json(chat, turns, admitted):
     )
 
 
-@require_POST
-@session_api
+@session_api("POST")
 def message_create(request, chat_id=None):
     chat = owned_chat(request.user, chat_id) if chat_id else None
     return reply_json(*chats.post_message(request.user, chat, json_body(request)))
 
 
-@require_POST
-@session_api
+@session_api("POST")
 def reply_regenerate(request, chat_id):
     return reply_json(*chats.regenerate(request.user, owned_chat(request.user, chat_id), json_body(request)))
 
 
-@require_POST
-@session_api
+@session_api("POST")
 def chat_create(request):
     """A bare completion for the signed-in user (no chat kept): same checks and queue as the API."""
     admitted = admit(chat_request.parse(request.body, request.content_type), Owner(user_id=request.user.pk))
     return JsonResponse({"id": admitted.request_id, "events_url": chats.events_url(admitted.request_id), "prompt_tokens": admitted.prompt_tokens})
 
 
-@require_POST
-@session_api
+@session_api("POST")
 def chat_tokenize(request):
     """What the composer's message would cost in its chat (`chat`: an id, or none for a new one), as the user types."""
     body = json_body(request)
@@ -137,13 +137,11 @@ def chat_tokenize(request):
     return JsonResponse(chats.count_message(request.user, chat, body))
 
 
-@require_POST
-@session_api
+@session_api("POST")
 def chat_cancel(request, request_id):
     return cancel(Owner(user_id=request.user.pk), request_id)
 
 
-@require_POST
-@session_api
+@session_api("POST")
 def chat_steer(request, request_id):
     return steer(Owner(user_id=request.user.pk), request_id, steering_text(request.body))

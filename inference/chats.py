@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_CHARS = 32000
 PARAMETERS = ("model", "temperature", "max_tokens", "seed", "tools")  # passed on as the API takes them
 LOST = "The reply's text had expired from the stream log before it was saved."
+GONE = "The reply was lost: its request is known neither to the stream log nor to the ledger."
 
 
 def messages_of(chat, new_user_text=None):
@@ -42,18 +43,22 @@ def checked_text(value, param, required=True):
 def ask(user, chat, messages, body):
     """Check and queue a reply to `messages` with the page's parameters; nothing is written
     when it is refused."""
-    payload = {name: body[name] for name in PARAMETERS if body.get(name) is not None}
-    request = chat_request.parse(json.dumps({**payload, "messages": messages, "stream": True}), "application/json")
+    request = chat_request.parse(request_json(body, messages, stream=True), "application/json")
     return request.model, admit(request, Owner(user_id=user.pk))
+
+
+def request_json(body, messages, **extra):
+    """A chat completion body: the page's parameters, as the API takes them, and `messages`."""
+    payload = {name: body[name] for name in PARAMETERS if body.get(name) is not None}
+    return json.dumps({**payload, "messages": messages, **extra})
 
 
 def count_message(user, chat, body):
     """What sending `content` now would cost: /v1/tokenize's answer for the whole conversation."""
     content = checked_text(body.get("content"), "content", required=False)
     system = chat.system_prompt if chat else checked_text(body.get("system_prompt"), "system_prompt", required=False)
-    payload = {name: body[name] for name in PARAMETERS if body.get(name) is not None}
     messages = messages_of(chat or Chat(system_prompt=system), content)
-    return prompt_count.tokenize(json.dumps({**payload, "messages": messages}), "application/json")
+    return prompt_count.tokenize(request_json(body, messages), "application/json")
 
 
 def title_of(text):
@@ -65,33 +70,43 @@ def post_message(user, chat, body):
     """A user message and the reply it asks for; a new chat (chat None) is made with them."""
     content = checked_text(body.get("content"), "content")
     system = chat.system_prompt if chat else checked_text(body.get("system_prompt"), "system_prompt", required=False)
-    if chat is not None:
-        check_idle(chat)
-    model, admitted = ask(user, chat, messages_of(chat or Chat(system_prompt=system), content), body)
-    with undo_on_failure(admitted.request_id), transaction.atomic():
-        if chat is None:
-            chat = Chat.objects.create(user=user, title=title_of(content), system_prompt=system)
-        user_turn = Turn.objects.create(chat=chat, role=Turn.USER, content=content)
-        reply = Turn.objects.create(chat=chat, role=Turn.ASSISTANT, request_id=admitted.request_id, model=model)
-        chat.save(update_fields=["updated_at"])
+    with transaction.atomic():  # one reply at a time per chat, whatever other tabs do
+        chat = locked_idle(chat)
+        model, admitted = ask(user, chat, messages_of(chat or Chat(system_prompt=system), content), body)
+        with undo_on_failure(admitted.request_id), transaction.atomic():
+            if chat is None:
+                chat = Chat.objects.create(user=user, title=title_of(content), system_prompt=system)
+            user_turn = Turn.objects.create(chat=chat, role=Turn.USER, content=content)
+            reply = Turn.objects.create(chat=chat, role=Turn.ASSISTANT, request_id=admitted.request_id, model=model)
+            chat.save(update_fields=["updated_at"])
     return chat, [user_turn, reply], admitted
 
 
 def regenerate(user, chat, body):
     """A new reply in place of the last one, to the same conversation."""
-    check_idle(chat)
-    last = chat.turns.last()
-    if last is None or last.role != Turn.ASSISTANT:
-        raise ApiError(409, "There is no reply to regenerate.", code="nothing_to_regenerate")
-    earlier = messages_of(chat)
-    if last.content:
-        earlier.pop()
-    model, admitted = ask(user, chat, earlier, body)
-    with undo_on_failure(admitted.request_id), transaction.atomic():
-        last.delete()
-        reply = Turn.objects.create(chat=chat, role=Turn.ASSISTANT, request_id=admitted.request_id, model=model)
-        chat.save(update_fields=["updated_at"])
+    with transaction.atomic():
+        chat = locked_idle(chat)
+        last = chat.turns.last()
+        if last is None or last.role != Turn.ASSISTANT:
+            raise ApiError(409, "There is no reply to regenerate.", code="nothing_to_regenerate")
+        earlier = messages_of(chat)
+        if last.content:
+            earlier.pop()
+        model, admitted = ask(user, chat, earlier, body)
+        with undo_on_failure(admitted.request_id), transaction.atomic():
+            last.delete()
+            reply = Turn.objects.create(chat=chat, role=Turn.ASSISTANT, request_id=admitted.request_id, model=model)
+            chat.save(update_fields=["updated_at"])
     return chat, [reply], admitted
+
+
+def locked_idle(chat):
+    """The chat, locked until the transaction ends, once no reply of it is still streaming."""
+    if chat is None:
+        return None
+    chat = Chat.objects.select_for_update().get(pk=chat.pk)
+    check_idle(chat)
+    return chat
 
 
 class undo_on_failure:
@@ -119,11 +134,14 @@ def settle(turn):
     """Fill a streaming reply from its log once the log has its end; True if it did."""
     if not turn.streaming:
         return False
-    entries = [entry for _, entry in streamlog.read_all(streamlog.sync_client(), turn.request_id)]
+    client = streamlog.sync_client()
+    entries = [entry for _, entry in streamlog.read_all(client, turn.request_id)]
     if entries and entries[-1]["t"] == "end":
         fill(turn, entries)
-    elif not entries and UsageEntry.objects.filter(request_id=turn.request_id).exists():
-        turn.finish_reason, turn.error = "error", LOST  # ended, and its log expired since
+    elif not entries and not streamlog.load_meta(client, turn.request_id):
+        # Its log and metadata expired (or Redis lost them): whatever happened, it is over.
+        ended = UsageEntry.objects.filter(request_id=turn.request_id).exists()
+        turn.finish_reason, turn.error = "error", LOST if ended else GONE
     else:
         return False
     turn.save(update_fields=["content", "tool_calls", "steering", "finish_reason", "error"])

@@ -1,6 +1,7 @@
 """Count a chat request without running it: its exact prompt tokens (the ids the model would
 read, as admission counts them) and what it would cost at the price sheet in force."""
 
+import functools
 import time
 
 from django.conf import settings
@@ -29,8 +30,9 @@ def tokenize(body, content_type):
     }
 
 
+@functools.cache
 def tokenizer_id(model):
-    """As the ledger will name it."""
+    """As the ledger will name it (hashing the tokenizer's files once per process)."""
     from .engine import loader
 
     if registry.is_upstream(model):

@@ -61,7 +61,8 @@ def relay_upstream(request_id, model, body, prompt_tokens, received_at, api_key_
         log.exception("request %s failed", request_id)
         relay.fail(f"the relay failed: {exc}")
     finally:
-        outcome = Outcome(relay.finish_reason, prompt_tokens, relay.completion_tokens(), relay.error, started_at, relay.first_token_at, time.time())
+        billed = prompt_tokens if relay.sent else 0  # a request the upstream never took costs nothing
+        outcome = Outcome(relay.finish_reason, billed, relay.completion_tokens(), relay.error, started_at, relay.first_token_at, time.time())
         write_entry = lambda: record_upstream(request_id, model, relay, outcome, received_at, api_key_id, user_id)  # noqa: E731
         finish(client, request_id, model, outcome, [relay.finish_reason], write_entry, received_at, reservation, [])
 
@@ -275,6 +276,7 @@ def record_upstream(request_id, model, relay, outcome, received_at, api_key_id, 
         tokenizer=upstream.tokenizer_id(model),
         cached_prompt_tokens=min(cached, outcome.prompt_tokens),
         usage_source="upstream_counted",
+        vendor_request_id=relay.vendor_id,
         vendor_prompt_tokens=vendor.get("prompt_tokens"),
         vendor_cached_prompt_tokens=cached if vendor else None,
         vendor_completion_tokens=vendor.get("completion_tokens"),

@@ -15,10 +15,10 @@ import time
 import httpx
 from django.conf import settings
 
-from billing import counting, ledger
+from billing import counting, ledger, tiktoken_offline
 
 from . import registry, streamlog, tools
-from .errors import invalid
+from .errors import ApiError, invalid
 
 DEFAULT_CONTEXT = 131072
 READ_TIMEOUT = 120.0  # seconds without a byte from the upstream; an entry's "timeout_seconds" overrides it
@@ -51,7 +51,10 @@ def count_prompt(chat):
     for a tiktoken family, else the local model's chat template, as that model reads it."""
     name = entry(chat.model)["tokenizer"]
     if uses_tiktoken(chat.model):
-        return counting.chat_prompt_tokens([plain(m) for m in chat.messages], name, chat.tools)
+        try:
+            return counting.chat_prompt_tokens([plain(m) for m in chat.original_messages], name, chat.tools)
+        except tiktoken_offline.EncodingUnavailable as exc:
+            raise ApiError(503, f"The tokenizer of `{chat.model}` is not available: {exc}", type="server_error") from None
     turns = tools.render(chat.messages, chat.tools)
     return len(registry.tokenizer(name).apply_chat_template(turns, add_generation_prompt=True, tokenize=True))
 
@@ -81,7 +84,7 @@ def request_body(chat, max_tokens):
     """What the worker sends upstream: our request, in the upstream's name, always streamed
     with the usage at the end."""
     sampling = {k: v for k, v in chat.sampling.items() if k in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop", "logit_bias")}
-    body = {**{k: v for k, v in sampling.items() if v not in (None, [], {})}, "messages": chat.messages, "max_tokens": max_tokens}
+    body = {**{k: v for k, v in sampling.items() if v not in (None, [], {})}, "messages": chat.original_messages, "max_tokens": max_tokens}
     if chat.tools:
         body["tools"] = chat.tools
     return {**body, "model": entry(chat.model)["upstream_model"], "stream": True, "stream_options": {"include_usage": True}}
@@ -96,7 +99,10 @@ class Relay:
     def __init__(self, model, request_id):
         self.model, self.request_id = model, request_id
         self.text, self.call_text = [], []
+        self.sent = False  # the upstream took the request: from then on its prompt is billed
+        self.counted = 0  # completion tokens so far, delta by delta (the end count is exact)
         self.vendor_usage = None
+        self.vendor_id = ""  # the upstream's id of the request: its invoice lines name it
         self.finish_reason, self.error = None, ""
         self.first_token_at = None
         self.calls = set()
@@ -105,11 +111,15 @@ class Relay:
         url = entry(self.model)["base_url"].rstrip("/") + "/chat/completions"
         key = os.environ.get(entry(self.model).get("api_key_env") or "", "")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
+        if client.exists(streamlog.key(self.request_id, "cancel")):
+            self.finish_reason = "cancelled"  # cancelled while it queued: never sent
+            return
         try:
             timeout = httpx.Timeout(10.0, read=float(entry(self.model).get("timeout_seconds", READ_TIMEOUT)))
             with httpx.Client(timeout=timeout) as http, http.stream("POST", url, json=body, headers=headers) as response:
                 if response.status_code != 200:
                     return self.fail(f"the upstream answered {response.status_code}: {upstream_message(response)}")
+                self.sent = True
                 self.follow(client, response)
         except httpx.TimeoutException:
             self.fail("the upstream did not answer in time")
@@ -143,6 +153,7 @@ class Relay:
                 streamlog.append(client, self.request_id, *entries)
 
     def entries(self, chunk):
+        self.vendor_id = self.vendor_id or str(chunk.get("id") or "")[:100]
         if chunk.get("usage"):
             self.vendor_usage = chunk["usage"]
         if chunk.get("error"):
@@ -156,9 +167,9 @@ class Relay:
         delta, found = choice.get("delta") or {}, []
         if delta.get("content"):
             self.text.append(delta["content"])
-            found.append({"t": "delta", "text": delta["content"], "n": self.completion_so_far()})
+            found.append({"t": "delta", "text": delta["content"], "n": self.count(delta["content"])})
         for call in delta.get("tool_calls") or []:
-            found.append(self.call_entry(call))
+            found += self.call_entries(call)
         if found and self.first_token_at is None:
             self.first_token_at = time.time()
         if choice.get("finish_reason"):
@@ -166,17 +177,23 @@ class Relay:
             self.finish_reason = reason if reason in ledger.STATUS_OF_REASON else "stop"
         return found
 
-    def call_entry(self, call):
-        function = call.get("function") or {}
-        if call["index"] not in self.calls:
-            self.calls.add(call["index"])
+    def call_entries(self, call):
+        """A call's first chunk names it (and may carry all its arguments); later ones add arguments."""
+        function, index, found = call.get("function") or {}, call.get("index", 0), []
+        if index not in self.calls:
+            self.calls.add(index)
             self.call_text.append(function.get("name", ""))
-            return {"t": "tool", "index": call["index"], "id": call.get("id", f"call_{call['index']}"), "name": function.get("name", "")}
-        self.call_text.append(function.get("arguments", ""))
-        return {"t": "args", "index": call["index"], "text": function.get("arguments", "")}
+            found.append({"t": "tool", "index": index, "id": call.get("id", f"call_{index}"), "name": function.get("name", "")})
+        if function.get("arguments"):
+            self.call_text.append(function["arguments"])
+            found.append({"t": "args", "index": index, "text": function["arguments"]})
+        return found
 
-    def completion_so_far(self):
-        return count_completion(self.model, "".join(self.text + self.call_text), None)
+    def count(self, text):
+        """The usage so far for continuous usage stats: delta by delta (a token split across
+        two deltas counts twice until the end's exact count)."""
+        self.counted += count_completion(self.model, text, None)
+        return self.counted
 
     def completion_tokens(self):
         return count_completion(self.model, "".join(self.text + self.call_text), self.finish_reason)

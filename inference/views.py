@@ -128,7 +128,9 @@ def cancel(owner, request_id):
 
 def steer(owner, request_id, text):
     client = streamlog.sync_client()
-    owned_meta(streamlog.load_meta(client, request_id), owner, request_id)
+    meta = owned_meta(streamlog.load_meta(client, request_id), owner, request_id)
+    if registry.is_upstream(meta["model"]):
+        raise invalid(f"Steering is not supported for the upstream model `{meta['model']}`: the vendor generates the reply.", param="content")
     if streamlog.has_ended(client, request_id):
         raise ApiError(409, f"Request {request_id!r} has finished: there is nothing left to steer.", code="request_finished")
     streamlog.steer(client, request_id, text)

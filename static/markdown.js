@@ -52,26 +52,43 @@ function renderMarkdown(text) {
   return imageAsLink(clean);
 }
 
-// Where the text's completed blocks end: after the last blank line outside a code fence, or
-// after a closing fence. Returns that offset (0 when no block is complete).
+const LIST_ITEM = /^(?:[*+-]|\d{1,9}[.)])\s/;
+
+// Where the text's completed blocks end (0 when none is). A closing code fence ends its block
+// at once. A blank line outside a fence ends the block before it once the next line has begun
+// and cannot continue that block: an indented line goes on a list item or indented code, and a
+// list item after a list goes on the same (loose) list.
 function completedLength(text) {
+  const lines = text.split("\n");
   let fence = null;
   let done = 0;
   let offset = 0;
-  for (const line of text.split("\n").slice(0, -1)) { // the last line may still grow
+  let blankAt = -1;
+  lines.forEach((line, index) => {
+    const start = offset;
     offset += line.length + 1;
+    const last = index === lines.length - 1; // may still grow: only its start is known
     if (fence) {
-      if (closesFence(line, fence)) {
-        fence = null;
-        done = offset;
-      }
-    } else if (line.match(FENCE)) {
-      fence = line.match(FENCE)[1];
+      if (!last && closesFence(line, fence)) [fence, done] = [null, offset];
     } else if (!line.trim()) {
-      done = offset;
+      if (!last && blankAt < 0) blankAt = start;
+    } else {
+      if (blankAt >= 0 && decided(line, last) && !continues(text.slice(done, blankAt), line)) done = start;
+      blankAt = -1;
+      if (!last && line.match(FENCE)) fence = line.match(FENCE)[1];
     }
-  }
+  });
   return done;
+}
+
+// Enough of a line has arrived to tell whether it continues the block above.
+function decided(line, last) {
+  return !last || /^\s/.test(line) || !/^[*+\-\d]/.test(line) || /^\S+\s/.test(line);
+}
+
+function continues(block, line) {
+  if (/^\s/.test(line)) return true;
+  return LIST_ITEM.test(block.trimStart()) && LIST_ITEM.test(line);
 }
 
 function closesFence(line, fence) {
@@ -122,6 +139,13 @@ function closeOpen(tail) {
   return `${code}\n${fence}`;
 }
 
+function frozenBlock(markdown) {
+  const block = document.createElement("div");
+  block.className = "md-block";
+  block.append(renderMarkdown(markdown));
+  return block;
+}
+
 class StreamingMarkdown {
   constructor(container) {
     this.container = container;
@@ -138,12 +162,10 @@ class StreamingMarkdown {
 
   // Called at most once per frame: freeze what completed, re-render only the tail.
   render() {
-    const done = completedLength(this.text);
+    const done = this.frozen + completedLength(this.text.slice(this.frozen)); // a freeze is never inside a fence
     if (done > this.frozen) {
-      const block = document.createElement("div");
-      block.className = "md-block";
-      block.append(renderMarkdown(this.text.slice(this.frozen, done)));
-      this.tail.before(block);
+      const piece = this.text.slice(this.frozen, done);
+      if (piece.trim()) this.tail.before(frozenBlock(piece));
       this.frozen = done;
     }
     this.renderTail(this.text.slice(this.frozen));

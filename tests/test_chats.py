@@ -130,3 +130,13 @@ def test_a_reply_without_text_is_left_out_of_the_history(user):
     assert chats.messages_of(chat, "third") == [
         {"role": "user", "content": "first"}, {"role": "user", "content": "second"}, {"role": "user", "content": "third"},
     ]  # fmt: skip
+
+
+def test_the_endpoints_answer_a_stranger_and_a_wrong_method_in_the_error_shape(client):
+    anonymous = Client().post("/api/chats/messages", {"content": "hi"}, content_type="application/json")
+    assert anonymous.status_code == 401
+    assert_error(anonymous.json(), code="not_signed_in")
+    wrong = client.get("/api/chats/messages")
+    assert wrong.status_code == 405
+    assert_error(wrong.json(), code="method_not_allowed")
+    assert client.get("/api/chats/not-a-number").status_code == 404

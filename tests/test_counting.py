@@ -43,3 +43,8 @@ def test_tool_definitions_add_their_tokens():
     encode = tiktoken_offline.encoding("o200k_base").encode
     expected = 7 + len(encode("get_weather:Get the weather")) + 3 + 3 + (-3 + 3 + len(encode("c")) + 3 + len(encode("f"))) + len(encode("unit:string:Unit")) + 12
     assert with_tool - plain == expected
+
+
+def test_a_malformed_tool_schema_adds_only_what_it_names():
+    odd = {"type": "function", "function": {"name": "f", "description": None, "parameters": {"properties": "not an object"}}}
+    assert counting.chat_prompt_tokens(EXAMPLE, "o200k_base", [odd]) == 124 + 7 + len(tiktoken_offline.encoding("o200k_base").encode("f:")) + 12

@@ -72,10 +72,12 @@ def test_a_header_without_the_vendor_s_columns_is_refused_at_line_1():
 
 def test_a_difference_becomes_an_adjustment_and_then_matches():
     invoice, _ = invoices.import_invoice("openai", "nov.csv", crafted())
-    differs = by_key(invoices.reconcile(invoice))["r-differs"]
-    adjustment = invoices.adjust_to_invoice(differs, invoice)
+    adjustment = invoices.adjust_to_invoice(invoice, "r-differs")
     assert adjustment.kind == "adjustment" and adjustment.prompt_tokens == 3 and "line 4" in adjustment.error
     assert by_key(invoices.reconcile(invoice))["r-differs"].status == "matched"
+    with pytest.raises(invoices.InvoiceError, match="not a differing"):  # a second click writes nothing
+        invoices.adjust_to_invoice(invoice, "r-differs")
+    assert UsageEntry.objects.filter(kind="adjustment").count() == 1
     assert ledger.verify()[1] is None  # the chain still holds
 
 
@@ -133,3 +135,23 @@ def test_staff_upload_an_export_review_it_and_adjust_a_line_in_the_admin(admin_c
     bad = SimpleUploadedFile("bad.csv", (HEADER + "r-1,2026-11-02,gpt-4o,x,0,1,\n").encode(), content_type="text/csv")
     refused = admin_client.post("/admin/billing/invoice/upload/", {"vendor": "openai", "file": bad})
     assert "line 2: input_tokens must be a whole number" in refused.content.decode() and Invoice.objects.count() == 1
+
+
+def test_a_file_naming_a_request_twice_is_refused_at_the_second_line():
+    data = (HEADER + "r-1,2026-11-02,gpt-4o,1,0,1,\n" + "r-2,2026-11-02,gpt-4o,1,0,1,\n" + "r-1,2026-11-02,gpt-4o,1,0,1,\n").encode()
+    with pytest.raises(invoices.InvoiceError, match="line 4: the same request as line 2"):
+        invoices.import_invoice("openai", "twice.csv", data)
+
+
+def test_a_relayed_request_is_matched_by_the_vendor_s_id_and_model():
+    ledger.record("chatcmpl-ours", "stop", model="our-alias", model_served="gpt-4o", vendor_request_id="chatcmpl-vendor-7", tokenizer="o200k_base",
+                  prompt_tokens=10, completion_tokens=2, received_at=DAY, finished_at=DAY + timedelta(seconds=1))  # fmt: skip
+    data = (HEADER + "chatcmpl-vendor-7,2026-11-02,gpt-4o,10,0,2,\n").encode()
+    invoice, _ = invoices.import_invoice("openai", "relayed.csv", data)
+    assert [(o.status, o.key) for o in invoices.reconcile(invoice)] == [("matched", "chatcmpl-vendor-7")]
+
+
+def test_a_report_never_carries_a_formula():
+    invoice, _ = invoices.import_invoice("openai", "f.csv", (HEADER + "=HYPERLINK(1),2026-11-02,gpt-4o,1,0,1,\n").encode())
+    rows = list(invoices.report_rows(invoices.reconcile(invoice)))
+    assert rows[1][1] == "'=HYPERLINK(1)"

@@ -32,8 +32,13 @@ class VendorStandIn(BaseHTTPRequestHandler):
             time.sleep(5)  # longer than the "vendor" entry's timeout
         assert body["stream"] and body["stream_options"] == {"include_usage": True}
         chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
-        chunks += [{"choices": [{"index": 0, "delta": {"content": word}}]} for word in ("Hello", " there")]
-        chunks += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}, {"choices": [], "usage": REPORTED}]
+        if body["messages"][-1]["content"] == "call":  # the whole call in one chunk, as vLLM may send it
+            call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            chunks += [{"choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": "tool_calls"}]}]
+        else:
+            chunks += [{"choices": [{"index": 0, "delta": {"content": word}}]} for word in ("Hello", " there")]
+            chunks += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+        chunks += [{"choices": [], "usage": REPORTED}]
         stream = "".join(f"data: {json.dumps({'id': 'v-1', 'object': 'chat.completion.chunk', **c})}\n\n" for c in chunks)
         self.answer(200, (stream + "data: [DONE]\n\n").encode(), "text/event-stream")
 
@@ -124,8 +129,8 @@ def test_an_upstream_error_becomes_an_error_event_and_a_failed_entry(front, api_
     assert streamed[-1] == "[DONE]"
     errors = [data["error"] for data in streamed[:-1] if "error" in data]
     assert errors and "the upstream answered 500: the vendor is down" in errors[0]["message"]
-    time.sleep(0.2)
-    assert UsageEntry.objects.get(model="vendor").status == "failed"
+    entry = wait_for_entry(seconds=10, model="vendor")
+    assert entry.status == "failed" and entry.prompt_tokens == 0  # the vendor never took it: nothing billed
 
 
 def test_an_upstream_that_does_not_answer_in_time_ends_the_stream(front, api_key):
@@ -153,3 +158,12 @@ def test_tokenize_agrees_with_the_ledger_for_an_upstream_model(front, api_key, u
     answer = httpx.post(f"{front.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=120).json()
     assert counted["prompt_tokens"] == UsageEntry.objects.get(request_id=answer["id"]).prompt_tokens
     assert counted["tokenizer"] == f"relayed:{MODEL}"
+
+
+def test_a_call_sent_whole_in_one_chunk_keeps_its_arguments_and_steering_is_refused(front, api_key):
+    answer = httpx.post(f"{front.url}/v1/chat/completions", json=chat_body("call", model="vendor"), headers=auth(api_key), timeout=60).json()
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    steer = httpx.post(f"{front.url}/v1/chat/completions/{answer['id']}/steer", json={"content": "Be brief."}, headers=auth(api_key), timeout=30)
+    assert steer.status_code == 400 and "upstream" in steer.json()["error"]["message"]
