@@ -18,6 +18,7 @@ from .views import cancel, error_response, steer, steering_text
 
 # The page runs only its own script: model output that slipped through the sanitizer still
 # could not run, load a remote image or send anything anywhere.
+MAX_LISTED = 200
 PAGE_CSP = "; ".join(
     [
         "default-src 'self'",
@@ -80,7 +81,7 @@ def chat_page(request, chat_id=None):
         "models": registry.names(),
         "chat": chat,
         "chat_data": chats.chat_json(chat) if chat else {"id": None},
-        "chats": [chats.chat_json(c) for c in request.user.chats.all()[:200]],
+        "chats": chat_list_json(request.user),
         "turns": chats.turns_json(chat) if chat else [],
     }
     response = render(request, "chat.html", context)
@@ -90,7 +91,12 @@ def chat_page(request, chat_id=None):
 
 @session_api("GET")
 def chat_list(request):
-    return JsonResponse({"data": [chats.chat_json(c) for c in request.user.chats.all()[:200]]})
+    return JsonResponse({"data": chat_list_json(request.user)})
+
+
+def chat_list_json(user):
+    """The side list: the user's newest chats."""
+    return [chats.chat_json(c) for c in user.chats.all()[:MAX_LISTED]]
 
 
 @session_api("GET")

@@ -247,31 +247,28 @@ def earliest(times):
     return min(times) if times else None
 
 
+def record_entry(request_id, model, outcome, received_at, api_key_id, user_id, **fields):
+    """The ledger entry of a finished request: what every entry takes from the outcome, and `fields`."""
+    owner = {"api_key_id": api_key_id, "user_id": user_id}
+    return ledger.record(request_id, outcome.finish_reason, model=model, **owner, **outcome.ledger_fields(received_at), **fields)
+
+
 def record(request_id, requests, outcome, model, tokenizer_id, received_at, api_key_id, user_id):
-    return ledger.record(
-        request_id,
-        outcome.finish_reason,
-        api_key_id=api_key_id,
-        user_id=user_id,
-        model=model,
+    return record_entry(
+        request_id, model, outcome, received_at, api_key_id, user_id,
         model_served=model,
         tokenizer=tokenizer_id,
         cached_prompt_tokens=requests[0].cached_tokens,  # the prompt is billed once, as choice 0 read it
         steering_tokens=sum(r.steered_tokens for r in requests),
-        **outcome.ledger_fields(received_at),
-    )
+    )  # fmt: skip
 
 
 def record_upstream(request_id, model, relay, outcome, received_at, api_key_id, user_id):
     """Our counts are the entry's; the vendor's, when it reported them, stand beside them."""
     vendor = relay.vendor_usage or {}
     cached = (vendor.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return ledger.record(
-        request_id,
-        outcome.finish_reason,
-        api_key_id=api_key_id,
-        user_id=user_id,
-        model=model,
+    return record_entry(
+        request_id, model, outcome, received_at, api_key_id, user_id,
         model_served=upstream.entry(model)["upstream_model"],
         tokenizer=upstream.tokenizer_id(model),
         cached_prompt_tokens=min(cached, outcome.prompt_tokens),
@@ -280,8 +277,7 @@ def record_upstream(request_id, model, relay, outcome, received_at, api_key_id, 
         vendor_prompt_tokens=vendor.get("prompt_tokens"),
         vendor_cached_prompt_tokens=cached if vendor else None,
         vendor_completion_tokens=vendor.get("completion_tokens"),
-        **outcome.ledger_fields(received_at),
-    )
+    )  # fmt: skip
 
 
 def record_metrics(client, model, outcome, received_at, gaps):

@@ -31,12 +31,8 @@ def entry(model):
     return settings.TOKSTREAM_MODELS[model]
 
 
-def uses_tiktoken(model):
-    return registry.uses_tiktoken(model)
-
-
 def tokenizer_id(model):
-    return entry(model)["tokenizer"] if uses_tiktoken(model) else f"{model}:{entry(model)['tokenizer']}"
+    return entry(model)["tokenizer"] if registry.uses_tiktoken(model) else f"{model}:{entry(model)['tokenizer']}"
 
 
 def context_length(model):
@@ -50,7 +46,7 @@ def count_prompt(chat):
     """Prompt tokens as the upstream bills them: OpenAI's message framing and tool overhead
     for a tiktoken family, else the local model's chat template, as that model reads it."""
     name = entry(chat.model)["tokenizer"]
-    if uses_tiktoken(chat.model):
+    if registry.uses_tiktoken(chat.model):
         try:
             return counting.chat_prompt_tokens([plain(m) for m in chat.original_messages], name, chat.tools)
         except tiktoken_offline.EncodingUnavailable as exc:
@@ -67,7 +63,7 @@ def plain(message):
 def count_completion(model, text, finish_reason):
     """Tokens of the relayed text; a local chat model also produced its end-of-turn token."""
     name = entry(model)["tokenizer"]
-    if uses_tiktoken(model):
+    if registry.uses_tiktoken(model):
         return counting.text_tokens(text, name)
     ids = registry.tokenizer(name).encode(text, add_special_tokens=False)
     return len(ids) + (finish_reason == "stop")

@@ -327,14 +327,18 @@ class Reply {
 
 function startReply(answer, sentAt) {
   const turn = answer.turns[answer.turns.length - 1];
-  const reply = new Reply(addReplyTurn(turn), turn, sentAt);
-  state.reply = reply;
-  reply.requestId = answer.request_id;
-  reply.open(answer.events_url);
-  setBusy(true);
-  setStatus("generating");
+  follow(new Reply(addReplyTurn(turn), turn, sentAt), answer.request_id, answer.events_url);
   jumpToLatest();
   if (state.stopRequested) stop();
+}
+
+// The page's one streaming reply, from its events URL (from the start when no id was seen).
+function follow(reply, requestId, eventsUrl) {
+  state.reply = reply;
+  reply.requestId = requestId;
+  reply.open(eventsUrl);
+  setBusy(true);
+  setStatus("generating");
 }
 
 function resetNumbers() {
@@ -478,12 +482,7 @@ function showSavedTurns(turns) {
     if (turn.events_url) {
       // Still being written (or ended while the page was away): replay its whole stream. Its
       // time to first token is not this page's to measure; the ledger's comes at the end.
-      const reply = new Reply(node, turn, null);
-      state.reply = reply;
-      reply.requestId = turn.request_id;
-      reply.open(turn.events_url);
-      setBusy(true);
-      setStatus("generating");
+      follow(new Reply(node, turn, null), turn.request_id, turn.events_url);
       continue;
     }
     showSavedReply(node, turn);

@@ -139,4 +139,6 @@ def test_the_endpoints_answer_a_stranger_and_a_wrong_method_in_the_error_shape(c
     wrong = client.get("/api/chats/messages")
     assert wrong.status_code == 405
     assert_error(wrong.json(), code="method_not_allowed")
-    assert client.get("/api/chats/not-a-number").status_code == 404
+    not_a_chat = client.post("/api/chats/count", {"chat": "x", "content": "hi", "model": MODEL}, content_type="application/json")
+    assert not_a_chat.status_code == 404
+    assert_error(not_a_chat.json(), param="chat")
