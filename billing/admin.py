@@ -16,6 +16,7 @@ from django.utils.safestring import mark_safe
 
 from . import charts, invoices, ledger
 from .models import ApiKey, Budget, Invoice, PriceSheet, UsageEntry
+from .spreadsheet import safe_cell
 
 
 @admin.register(UsageEntry)
@@ -52,7 +53,7 @@ class UsageEntryAdmin(admin.ModelAdmin):
         writer = csv.writer(response)
         writer.writerow(fields)
         for entry in queryset.order_by("id"):
-            writer.writerow([getattr(entry, name) for name in fields])
+            writer.writerow([safe_cell(getattr(entry, name)) for name in fields])  # upstream ids, staff's reasons
         return response
 
     @admin.action(description="Reverse the selected entries (new reversal entries)")

@@ -3,24 +3,36 @@
 A key with `ledger:read` reads its own entries; `ledger:read:all`, or a staff session, reads
 all. An export reads a snapshot (the entries up to the newest one when it began) and states its
 range and the chain hash of its last entry, so two exports can be checked against each other.
+Every error is JSON in the OpenAI shape, whatever format was asked: the CSV and NDJSON
+renderers only ever carry rows.
 """
 
 import csv
+import datetime as dt
 import io
 import json
 
 import django_filters
+from django import forms
 from django.contrib.auth.models import AnonymousUser
+from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Sum
 from django.db.models.functions import TruncDate
-from django.http import StreamingHttpResponse
-from rest_framework import authentication, exceptions, pagination, permissions, renderers, serializers
+from django.http import Http404, StreamingHttpResponse
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
+from drf_spectacular.plumbing import build_bearer_security_scheme_object
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import authentication, exceptions, negotiation, pagination, permissions, renderers, serializers, views
 from rest_framework.response import Response
-from rest_framework.views import APIView
+
+from inference.errors import ApiError
 
 from .models import ApiKey, UsageEntry
+from .spreadsheet import safe_cell
 
 EXPORT_CHUNK = 2000
+MAX_ID = 2**63 - 1  # ids are BigAutoField
 
 
 class ApiKeyAuthentication(authentication.BaseAuthentication):
@@ -30,14 +42,27 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
             return None
         key = ApiKey.from_authorization(header)
         if key is None:
-            raise exceptions.AuthenticationFailed("Missing or invalid API key.")
+            raise exceptions.AuthenticationFailed("Missing or invalid API key.", code="invalid_api_key")
         return key.user or AnonymousUser(), key
 
     def authenticate_header(self, request):
         return "Bearer"
 
 
+class ApiKeyScheme(OpenApiAuthenticationExtension):
+    """How the schema tells clients to send a key (drf-spectacular finds it by target_class)."""
+
+    target_class = ApiKeyAuthentication
+    name = "apiKey"
+
+    def get_security_definition(self, auto_schema):
+        return build_bearer_security_scheme_object(header_name="Authorization", token_prefix="Bearer")
+
+
 class ReadsLedger(permissions.BasePermission):
+    message = "Reading the ledger needs an API key with the `ledger:read` scope, or a staff session."
+    code = "insufficient_scope"
+
     def has_permission(self, request, view):
         key = request.auth if isinstance(request.auth, ApiKey) else None
         if key is not None:
@@ -52,32 +77,189 @@ def visible_entries(request):
     return UsageEntry.objects.filter(api_key=key)
 
 
+# -- filters -----------------------------------------------------------------------------------
+
+
+def whole_number(text, most):
+    """int(text) for plain digits up to `most`, else None: int() alone takes " 1", "+1", "1_0"
+    and 4,000-digit numbers, and the database then refuses what does not fit its column."""
+    if text.isascii() and text.isdigit() and len(text) <= len(str(most)) and int(text) <= most:
+        return int(text)
+    return None
+
+
+class IdField(forms.Field):
+    """A row id: Django's DecimalField (django-filter's default) reads 1.5 as 1 and lets 10**30
+    through to the database."""
+
+    def to_python(self, value):
+        if value in (None, ""):
+            return None
+        number = whole_number(value, MAX_ID)
+        if number is None:
+            raise forms.ValidationError("Enter an id: a whole number.", code="invalid")
+        return number
+
+
+class BooleanField(forms.Field):
+    """true or false: Django's NullBooleanField reads anything else as "no filter", so
+    `counts_differ=yes` would answer every entry."""
+
+    def to_python(self, value):
+        if value in (None, ""):
+            return None
+        try:
+            return {"true": True, "1": True, "false": False, "0": False}[value.lower()]
+        except KeyError:
+            raise forms.ValidationError("Enter true or false.", code="invalid") from None
+
+
+class UtcDateTimeField(django_filters.fields.IsoDateTimeField):
+    """An ISO 8601 time, in UTC: a time whose UTC date is past year 9999 (or before year 1) is
+    refused here rather than by the database adapter (an OverflowError on SQLite)."""
+
+    def to_python(self, value):
+        value = super().to_python(value)
+        try:
+            return value and value.astimezone(dt.timezone.utc)
+        except OverflowError:
+            raise forms.ValidationError("This time is out of range.", code="out_of_range") from None
+
+
+class IdFilter(django_filters.Filter):
+    field_class = IdField
+
+
+class StrictBooleanFilter(django_filters.BooleanFilter):
+    field_class = BooleanField
+
+
+class TimeFilter(django_filters.IsoDateTimeFilter):
+    field_class = UtcDateTimeField
+
+
 class EntryFilter(django_filters.FilterSet):
-    received_after = django_filters.IsoDateTimeFilter(field_name="received_at", lookup_expr="gte")
-    received_before = django_filters.IsoDateTimeFilter(field_name="received_at", lookup_expr="lt")
+    received_after = TimeFilter(field_name="received_at", lookup_expr="gte")
+    received_before = TimeFilter(field_name="received_at", lookup_expr="lt")
     model = django_filters.CharFilter()
     status = django_filters.ChoiceFilter(choices=UsageEntry.Status.choices)
-    api_key = django_filters.NumberFilter(field_name="api_key_id")
-    user = django_filters.NumberFilter(field_name="user_id")
-    counts_differ = django_filters.BooleanFilter()  # a vendor reported other counts than ours
+    api_key = IdFilter(field_name="api_key_id")
+    user = IdFilter(field_name="user_id")
+    counts_differ = StrictBooleanFilter()  # a vendor reported other counts than ours
 
     class Meta:
         model = UsageEntry
         fields = []
 
 
-PAGING_PARAMS = {"cursor", "page_size", "format"}
-
-
-def filtered(request):
-    """The visible entries the query asks for; 400 for an unknown filter or a bad value."""
-    unknown = set(request.query_params) - set(EntryFilter.base_filters) - PAGING_PARAMS
+def filtered(request, paging=()):
+    """The valid EntryFilter of the query (its .qs: the visible entries it selects); 400 for an
+    unknown parameter or a bad value."""
+    unknown = set(request.query_params) - set(EntryFilter.base_filters) - {"format", *paging}
     if unknown:
-        raise exceptions.ValidationError({name: "not a filter of the ledger" for name in sorted(unknown)})
+        raise exceptions.ValidationError({name: "not a parameter of this list" for name in sorted(unknown)}, code="unknown_parameter")
     entries = EntryFilter(request.query_params, queryset=visible_entries(request))
     if not entries.is_valid():
-        raise exceptions.ValidationError(entries.errors)
-    return entries.qs
+        raise exceptions.ValidationError(detail_of(entries.errors))
+    return entries
+
+
+def detail_of(errors):
+    """A form's errors as DRF's detail, each with its code (DRF's own conversion drops them)."""
+    return {name: [exceptions.ErrorDetail(e["message"], e["code"] or "invalid") for e in found] for name, found in errors.get_json_data().items()}
+
+
+def bad_parameter(name, message, code="invalid"):
+    return exceptions.ValidationError({name: [message]}, code=code)
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def openai_error(exc, context):
+    """DRF's answer to an API exception (its status and headers, WWW-Authenticate say), with
+    the body in the OpenAI shape the rest of the service speaks. None (a server error, which
+    Django reports) for anything else."""
+    if isinstance(exc, Http404):
+        exc = exceptions.NotFound()
+    elif isinstance(exc, PermissionDenied):
+        exc = exceptions.PermissionDenied()
+    response = views.exception_handler(exc, context)
+    if response is not None:
+        message, param, code = described(exc.detail)
+        response.data = ApiError(response.status_code, message, param=param, code=code).body()
+    return response
+
+
+def described(detail):
+    """(message, param, code) of DRF's error detail: a string, a list, or a dict by field."""
+    if isinstance(detail, dict):
+        fields = [(name, first(value)) for name, value in detail.items()]
+        return "; ".join(f"{name}: {text}" for name, text in fields), fields[0][0], fields[0][1].code
+    text = first(detail)
+    return str(text), None, text.code
+
+
+def first(detail):
+    while isinstance(detail, (list, dict)):
+        detail = next(iter(detail.values() if isinstance(detail, dict) else detail))
+    return detail
+
+
+class CSVRenderer(renderers.BaseRenderer):
+    media_type, format = "text/csv", "csv"
+
+
+class NDJSONRenderer(renderers.BaseRenderer):
+    media_type, format = "application/x-ndjson", "ndjson"
+
+
+ROWS_ONLY = (CSVRenderer, NDJSONRenderer)  # no render(): export() streams the rows
+
+
+class LedgerNegotiation(negotiation.DefaultContentNegotiation):
+    """`format=` overrides the Accept header (DRF would still match it against Accept, a 406
+    for `format=csv` from a client that sends `Accept: application/json`), and an unknown one
+    is a bad parameter (400), not DRF's 404. Without `format=`, an Accept header that names
+    nothing we make is a 406."""
+
+    def get_accept_list(self, request):
+        # A blank Accept is a client that chose nothing, as if it sent none: not one that
+        # accepts nothing (DRF's 406).
+        return super().get_accept_list(request) or ["*/*"]
+
+    def select_renderer(self, request, renderers, format_suffix=None):
+        format = format_suffix or request.query_params.get(self.settings.URL_FORMAT_OVERRIDE)
+        if not format:
+            try:
+                return super().select_renderer(request, renderers, format_suffix)
+            except exceptions.NotAcceptable:
+                raise exceptions.NotAcceptable(f"Accept one of: {', '.join(r.media_type for r in renderers)}.") from None
+        chosen = next((renderer for renderer in renderers if renderer.format == format), None)
+        if chosen is None:
+            raise bad_parameter("format", f"must be one of: {', '.join(r.format for r in renderers)}")
+        return chosen, chosen.media_type
+
+
+class LedgerView(views.APIView):
+    authentication_classes = [ApiKeyAuthentication, authentication.SessionAuthentication]
+    permission_classes = [ReadsLedger]
+    content_negotiation_class = LedgerNegotiation
+
+    def get_exception_handler(self):
+        return openai_error
+
+    def finalize_response(self, request, response, *args, **kwargs):
+        # Only the export writes CSV or NDJSON, streaming its rows itself: what DRF renders here
+        # (an error, OPTIONS' description) is JSON. An error from content negotiation has left
+        # no renderer chosen at all.
+        renderer = getattr(request, "accepted_renderer", None)
+        if isinstance(response, Response) and (response.exception or renderer is None or isinstance(renderer, ROWS_ONLY)):
+            request.accepted_renderer, request.accepted_media_type = renderers.JSONRenderer(), "application/json"
+        return super().finalize_response(request, response, *args, **kwargs)
+
+
+# -- entries -----------------------------------------------------------------------------------
 
 
 class EntrySerializer(serializers.ModelSerializer):
@@ -91,52 +273,126 @@ class EntrySerializer(serializers.ModelSerializer):
 
 class EntryPages(pagination.CursorPagination):
     """Pages by id: entries that arrive while a client pages land after its cursor, so no
-    page skips or repeats a row."""
+    page skips or repeats a row. A cursor or page size it did not issue is a 400: DRF reads a
+    bad page size as the default, a malformed cursor as a 404, and passes a cursor's position
+    to the database unchecked (a 500 for p=abc)."""
 
     ordering = "id"
     page_size = 100
     page_size_query_param = "page_size"
     max_page_size = 1000
 
+    def get_page_size(self, request):
+        text = request.query_params.get(self.page_size_query_param)
+        if text is None:
+            return self.page_size
+        size = whole_number(text, self.max_page_size)
+        if not size:
+            raise bad_parameter("page_size", f"must be a whole number from 1 to {self.max_page_size}")
+        return size
 
-class CSVRenderer(renderers.BaseRenderer):
-    media_type, format = "text/csv", "csv"
+    def decode_cursor(self, request):
+        try:
+            cursor = super().decode_cursor(request)
+        except exceptions.NotFound:
+            raise invalid_cursor() from None
+        if cursor and cursor.position is not None and whole_number(cursor.position, MAX_ID) is None:
+            raise invalid_cursor()  # our positions are ids
+        return cursor
 
 
-class NDJSONRenderer(renderers.BaseRenderer):
-    media_type, format = "application/x-ndjson", "ndjson"
+def invalid_cursor():
+    return bad_parameter("cursor", "not a cursor of this list: follow a page's next or previous link", code="invalid_cursor")
 
 
-class LedgerView(APIView):
-    authentication_classes = [ApiKeyAuthentication, authentication.SessionAuthentication]
-    permission_classes = [ReadsLedger]
+# -- schema ------------------------------------------------------------------------------------
+
+
+class ErrorBodySerializer(serializers.Serializer):
+    message = serializers.CharField()
+    type = serializers.CharField(help_text="invalid_request_error for every error here.")
+    param = serializers.CharField(allow_null=True, help_text="The query parameter at fault, if one is.")
+    code = serializers.CharField(allow_null=True)
+
+
+class ErrorSerializer(serializers.Serializer):
+    error = ErrorBodySerializer()
+
+
+FILTER_PARAMETERS = [
+    OpenApiParameter("received_after", OpenApiTypes.DATETIME, description="Entries received at or after this ISO 8601 time."),
+    OpenApiParameter("received_before", OpenApiTypes.DATETIME, description="Entries received before this ISO 8601 time."),
+    OpenApiParameter("model", OpenApiTypes.STR, description="The model's public name."),
+    OpenApiParameter("status", OpenApiTypes.STR, enum=UsageEntry.Status.values),
+    OpenApiParameter("api_key", OpenApiTypes.INT, description="The id of the key that made the requests."),
+    OpenApiParameter("user", OpenApiTypes.INT, description="The id of the user the requests were made for."),
+    OpenApiParameter("counts_differ", OpenApiTypes.BOOL, description="Whether a vendor reported other counts than ours."),
+]
+
+
+PAGE_PARAMETERS = [
+    OpenApiParameter("cursor", OpenApiTypes.STR, description="From a page's `next` or `previous` link; JSON pages only."),
+    OpenApiParameter("page_size", {"type": "integer", "minimum": 1, "maximum": EntryPages.max_page_size}, description="Entries a page (100 if not given); JSON pages only."),
+]
+
+
+def format_parameter(formats):
+    return OpenApiParameter("format", OpenApiTypes.STR, enum=formats, description="Overrides the Accept header.")
+
+
+def error_responses(*statuses):
+    reasons = {
+        400: "An unknown parameter, or a bad value of one (`param` names it).",
+        401: "No credentials, or an invalid API key.",
+        403: "The key lacks the `ledger:read` scope, or the session is not staff.",
+        406: "The Accept header names no format of this endpoint.",
+    }
+    return {(status, "application/json"): OpenApiResponse(ErrorSerializer, description=reasons[status]) for status in statuses}
 
 
 class Entries(LedgerView):
     """GET /api/ledger/entries/: JSON pages, or (Accept or `format=`) CSV or NDJSON streamed whole."""
 
     renderer_classes = [renderers.JSONRenderer, CSVRenderer, NDJSONRenderer]
+    pagination_class = EntryPages
     serializer_class = EntrySerializer
 
+    @extend_schema(
+        parameters=[*FILTER_PARAMETERS, *PAGE_PARAMETERS, format_parameter(["json", "csv", "ndjson"])],
+        responses={
+            (200, "application/json"): OpenApiResponse(EntrySerializer(many=True), description="A page of entries, oldest first."),
+            (200, "text/csv"): OpenApiResponse(OpenApiTypes.STR, description="Every entry the filters select, a header line first."),
+            (200, "application/x-ndjson"): OpenApiResponse(OpenApiTypes.STR, description="Every entry the filters select, one JSON object a line."),
+            **error_responses(400, 401, 403, 406),
+        },
+    )
     def get(self, request):
-        entries = filtered(request)
+        filters = filtered(request, paging=("cursor", "page_size"))
         if request.accepted_renderer.format in ("csv", "ndjson"):
-            return export(request, entries, request.accepted_renderer)
-        pages = EntryPages()
-        page = pages.paginate_queryset(entries, request, view=self)
+            return export(filters, request.accepted_renderer)
+        pages = self.pagination_class()
+        page = pages.paginate_queryset(filters.qs, request, view=self)
         return pages.get_paginated_response(EntrySerializer(page, many=True).data)
 
 
-def export(request, entries, renderer):
+def export(filters, renderer):
+    entries = filters.qs
     newest_id, last_hash = entries.order_by("-id").values_list("id", "entry_hash").first() or (0, "")
     snapshot = entries.filter(id__lte=newest_id).order_by("id")
     rows = (EntrySerializer(entry).data for entry in snapshot.iterator(chunk_size=EXPORT_CHUNK))
     lines = csv_lines(rows) if renderer.format == "csv" else (json.dumps(row) + "\n" for row in rows)
     response = StreamingHttpResponse(lines, content_type=renderer.media_type)
-    response["X-Ledger-Range"] = f"{request.query_params.get('received_after', '')}/{request.query_params.get('received_before', '')}"
+    response["X-Ledger-Range"] = ledger_range(filters.form.cleaned_data)
     response["X-Ledger-Last-Hash"] = last_hash
     response["Content-Disposition"] = f'attachment; filename="ledger.{renderer.format}"'
     return response
+
+
+def ledger_range(cleaned):
+    """"after/before" from the parsed times: the query's own text may end in a newline, which
+    the datetime parser allows and a header refuses."""
+    after, before = cleaned.get("received_after"), cleaned.get("received_before")
+    return f"{after.isoformat() if after else ''}/{before.isoformat() if before else ''}"
 
 
 def csv_lines(rows):
@@ -145,20 +401,36 @@ def csv_lines(rows):
     writer = csv.DictWriter(buffer, fieldnames=EntrySerializer.Meta.fields)
     writer.writeheader()
     for row in rows:
-        writer.writerow(row)
+        writer.writerow({name: safe_cell(value) for name, value in row.items()})  # upstream ids, staff's reasons
         yield buffer.getvalue()
         buffer.seek(0)
         buffer.truncate()
     yield buffer.getvalue()
 
 
+# -- daily -------------------------------------------------------------------------------------
+
+
+class DailySerializer(serializers.Serializer):
+    day = serializers.DateField()
+    model = serializers.CharField()
+    requests = serializers.IntegerField()
+    prompt_tokens = serializers.IntegerField()
+    completion_tokens = serializers.IntegerField()
+    total_tokens = serializers.IntegerField()
+    cost = serializers.DecimalField(max_digits=30, decimal_places=9, allow_null=True, help_text="Empty when a model has no price sheet: unknown, not zero.")
+
+
 class Daily(LedgerView):
     """GET /api/ledger/daily/: tokens, cost and requests per day and model."""
 
+    @extend_schema(
+        parameters=[*FILTER_PARAMETERS, format_parameter(["json"])],
+        responses={(200, "application/json"): DailySerializer(many=True), **error_responses(400, 401, 403, 406)},
+    )
     def get(self, request):
         totals = (
-            filtered(request)
-            .annotate(day=TruncDate("received_at"))
+            filtered(request).qs.annotate(day=TruncDate("received_at"))
             .values("day", "model")
             .annotate(
                 requests=Count("id"),

@@ -15,6 +15,9 @@ class OverBudget(Exception):
     pass
 
 
+PER_PERIOD = {Budget.Period.DAY: "daily", Budget.Period.MONTH: "monthly"}  # not f"{period}ly": "dayly"
+
+
 def worst_cost(model, prompt_tokens, completion_tokens, now):
     """The most the request can cost at today's prices (no cache discount); 0 when unpriced."""
     sheet = PriceSheet.in_force(model, now)
@@ -43,10 +46,11 @@ def reserve(api_key_id, user_id, model, prompt_tokens, completion_tokens):
 
 def check(budget, tokens, money, now):
     spent_tokens, spent_money = budget.spent(now)
+    per = PER_PERIOD[budget.period]
     if budget.token_limit is not None and spent_tokens + budget.reserved_tokens + tokens > budget.token_limit:
-        raise OverBudget(f"This request could use {tokens} tokens; the {budget.period}ly budget of {budget.token_limit} has {budget.token_limit - spent_tokens - budget.reserved_tokens} left.")
+        raise OverBudget(f"This request could use {tokens} tokens; the {per} budget of {budget.token_limit} has {budget.token_limit - spent_tokens - budget.reserved_tokens} left.")
     if budget.money_limit is not None and spent_money + budget.reserved_money + money > budget.money_limit:
-        raise OverBudget(f"This request could cost {money}; the {budget.period}ly budget of {budget.money_limit} does not have that left.")
+        raise OverBudget(f"This request could cost {money}; the {per} budget of {budget.money_limit} does not have that left.")
 
 
 def settle(reservation):

@@ -21,6 +21,7 @@ from django.db.models import Case, F, Q, Sum, When
 
 from . import ledger
 from .models import Invoice, InvoiceLine, UsageEntry
+from .spreadsheet import safe_cell
 
 COUNTS = ("input_tokens", "cached_input_tokens", "output_tokens")
 OURS = {"input_tokens": "prompt_tokens", "cached_input_tokens": "cached_prompt_tokens", "output_tokens": "completion_tokens"}
@@ -286,11 +287,6 @@ def adjust_to_invoice(invoice, key):
 REPORT_COLUMNS = ["status", "key", "line", *[f"ours_{n}" for n in COUNTS], "ours_cost", *[f"theirs_{n}" for n in COUNTS], "theirs_cost", *[f"difference_{n}" for n in COUNTS], "difference_cost"]
 
 
-def spreadsheet_safe(value):
-    """A vendor's text never becomes a formula in the spreadsheet that opens the report."""
-    return f"'{value}" if isinstance(value, str) and value[:1] in ("=", "+", "-", "@") else value
-
-
 def report_rows(outcomes):
     """The reconciliation as CSV rows (header first)."""
     yield REPORT_COLUMNS
@@ -299,4 +295,4 @@ def report_rows(outcomes):
         theirs = [getattr(o.theirs, n) if o.theirs else "" for n in (*COUNTS, "cost")]
         diffs = [o.differences.get(n, "") for n in (*COUNTS, "cost")]
         row = [o.status, o.key, o.line.line_number if o.line else "", *["" if v is None else v for v in ours + theirs], *diffs]
-        yield [spreadsheet_safe(value) for value in row]
+        yield [safe_cell(value) for value in row]  # a vendor's text never runs as a formula

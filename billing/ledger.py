@@ -26,6 +26,11 @@ def as_datetime(timestamp):
 def record(request_id, finish_reason, **fields):
     """Create the entry for this request, or return the one a first delivery (or a racing
     writer) already wrote: the unique request id and the transaction decide."""
+    return record_once(request_id, finish_reason, **fields)[0]
+
+
+def record_once(request_id, finish_reason, **fields):
+    """(the request's entry, whether this call wrote it)."""
     entry = UsageEntry(request_id=request_id, finish_reason=finish_reason, status=STATUS_OF_REASON[finish_reason], **fields)
     entry.counts_differ = counts_differ(entry)
     price(entry)
@@ -36,8 +41,8 @@ def record(request_id, finish_reason, **fields):
         existing = UsageEntry.objects.filter(request_id=request_id).first()
         if existing is None:  # not a second writer: the row itself was refused
             raise
-        return existing
-    return entry
+        return existing, False
+    return entry, True
 
 
 def counts_differ(entry):

@@ -1,11 +1,11 @@
 """Admit a checked chat request: count its prompt, reserve its log, queue it for a worker."""
 
-import json
 import time
 import uuid
 from dataclasses import dataclass
 
 from django.conf import settings
+from django.db import transaction
 
 from billing import budgets
 
@@ -13,6 +13,7 @@ from . import limits, registry, streamlog, tools, upstream
 from .chat_request import checked_max_tokens
 from .engine.kv_cache import BLOCK_SIZE
 from .errors import ApiError, not_found
+from .models import PendingRequest
 
 
 @dataclass(frozen=True)
@@ -97,11 +98,14 @@ def admit(chat, owner):
     check_served(client, chat.model)
     limits.check_rate(client, owner, prompt_tokens + max_tokens * chat.n)
     admitted = Admitted(f"chatcmpl-{uuid.uuid4().hex}", chat.model, int(time.time()), prompt_tokens, chat.n, received_at)
-    reservation = hold_budget(owner, chat.model, prompt_tokens, max_tokens * chat.n)
+    task = task_of(chat, admitted, owner, ids, max_tokens)
+    pending = hold_budget(owner, admitted, task)
     try:
-        enqueue(client, chat, admitted, owner, ids, max_tokens, reservation)
-    except Exception:
-        budgets.settle(reservation)
+        enqueue(client, chat, admitted, owner, task)
+    except Exception:  # leave nothing half-made
+        with transaction.atomic():
+            budgets.settle(pending.reservation)
+            pending.delete()
         raise
     return admitted
 
@@ -115,24 +119,24 @@ def room_for(chat):
     return min(registry.context_length(chat.model), cache_tokens // chat.sampling["beam_width"])
 
 
-def hold_budget(owner, model, prompt_tokens, completion_tokens):
+def hold_budget(owner, admitted, task):
+    """The worst case held on every budget that applies, and the pending row that gives it
+    back when the request ends, in one transaction."""
+    completion_tokens = task["params"]["max_tokens"] * admitted.n
     try:
-        return budgets.reserve(owner.api_key_id, owner.user_id, model, prompt_tokens, completion_tokens)
+        with transaction.atomic():
+            reservation = budgets.reserve(owner.api_key_id, owner.user_id, admitted.model, admitted.prompt_tokens, completion_tokens)
+            return PendingRequest.objects.create(
+                request_id=admitted.request_id, keyspace=streamlog.keyspace(), model=admitted.model, api_key_id=owner.api_key_id, user_id=owner.user_id,
+                prompt_tokens=admitted.prompt_tokens, n=admitted.n, received_at=admitted.received_at, reservation=reservation, task=task,
+            )  # fmt: skip
     except budgets.OverBudget as exc:
         raise ApiError(429, f"You exceeded your budget: {exc}", type="insufficient_quota", code="insufficient_quota") from None
 
 
-def release_hold(client, request_id, reservation):
-    """Give a request's budget hold back once, whoever ends it (its worker, or a reader that
-    found the worker dead)."""
-    if reservation and reservation["budgets"] and client.set(streamlog.key(request_id, "settled"), "1", nx=True, ex=settings.TOKSTREAM_LOG_TTL + 3600):
-        budgets.settle(reservation)
-
-
-def enqueue(client, chat, admitted, owner, ids, max_tokens, reservation):
-    from .tasks import generate
-
-    task = {
+def task_of(chat, admitted, owner, ids, max_tokens):
+    """The Celery task's arguments (kept with the pending row, should it need sending again)."""
+    return {
         "request_id": admitted.request_id,
         "model": chat.model,
         "prompt_ids": ids or [],
@@ -144,15 +148,22 @@ def enqueue(client, chat, admitted, owner, ids, max_tokens, reservation):
         "received_at": admitted.received_at,
         "api_key_id": owner.api_key_id,
         "user_id": owner.user_id,
-        "reservation": reservation,
     }
+
+
+def enqueue(client, chat, admitted, owner, task):
+    from .tasks import generate
+
     position = limits.join_queue(client, chat.model, admitted.request_id)
-    streamlog.save_meta(client, admitted.request_id, {**admitted.meta(owner), "reservation": json.dumps(reservation)})
+    deadline = admitted.received_at + settings.TOKSTREAM_QUEUE_TIMEOUT
+    options = {"include_usage": int(chat.include_usage), "continuous_usage": int(chat.continuous_usage)}
+    meta = {**admitted.meta(owner), **options, "deadline": deadline}
     # The stream opens as OpenAI's does, with the role, and says where the request waits.
-    streamlog.append(client, admitted.request_id, {"t": "open", "n": chat.n, "queue_position": position})
+    opening = {"t": "open", "n": chat.n, "queue_position": position}
     try:
+        streamlog.admit(client, admitted.request_id, meta, opening)
         generate.apply_async(kwargs=task, queue="inference")
     except Exception:  # leave nothing half-made
-        client.delete(streamlog.key(admitted.request_id, "meta"), streamlog.key(admitted.request_id, "log"))
+        client.delete(*(streamlog.key(admitted.request_id, kind) for kind in ("meta", "log", "state")))
         limits.leave_queue(client, chat.model, admitted.request_id)
         raise

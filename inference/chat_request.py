@@ -1,6 +1,7 @@
 """Parse and check a chat completion request body before anything is written or queued."""
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -13,6 +14,11 @@ MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_BEAM_WIDTH = 8
+# No chat request needs more; deeper, copying the body (json.dumps, Celery) can run out of stack.
+MAX_DEPTH = 64
+TOKEN_ID = re.compile(r"[0-9]{1,9}")  # ASCII digits only: str.isdigit() also takes "²" and "①"
+TEXT_RULE = "no NUL character and no lone surrogate (half of a UTF-16 pair)."
+MAX_SEED = 2**64  # the engine takes a seed modulo 2**64; a bigger one is a client's mistake
 # What beam search cannot honour, with the values that mean "not asked for".
 BEAM_SEARCH_EXCLUDES = {
     "stop": [],
@@ -42,12 +48,10 @@ class ChatRequest:
 def parse(body, content_type):
     if content_type.split(";")[0].strip().lower() != "application/json":
         raise invalid("Content-Type must be application/json.")
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise invalid(f"The body is not valid JSON: {exc}") from None
+    data = json_of(body)
     if not isinstance(data, dict):
         raise invalid("The body must be a JSON object.")
+    check_values(data)
     if data.get("stream_options") is not None and not data.get("stream"):
         raise invalid("`stream_options` is only allowed when `stream` is true.", param="stream_options")
     chat = ChatRequest(  # keyword arguments run in order: the model is known before its vocabulary is needed
@@ -67,6 +71,69 @@ def parse(body, content_type):
     return chat
 
 
+def json_of(body):
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid(f"The body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise invalid(f"The body is nested more than {MAX_DEPTH} levels deep.") from None
+
+
+def check_values(data):
+    """Refuse what JSON can carry but nothing after us can use: NaN and infinities (Python's
+    json reads them, and NaN slips through every range check since it compares false), lone
+    surrogates (they have no UTF-8: the tokenizer and Redis fail on them), NUL (PostgreSQL's
+    text and jsonb cannot hold it) and deep nesting."""
+    problem = first_problem(data)
+    if problem:
+        param, message = problem
+        raise invalid(f"`{param}` {message}", param=param)
+
+
+def first_problem(data):
+    """(param, what is wrong) for the first bad value, in document order; None if all is well.
+    A loop, not recursion, so depth alone cannot exhaust the stack."""
+    pending = [(data, "", 0)]
+    while pending:
+        value, param, depth = pending.pop()
+        problem = value_problem(value, depth)
+        if problem:
+            return param or "body", problem
+        pending.extend(reversed(children(value, param, depth)))
+    return None
+
+
+def value_problem(value, depth):
+    if depth > MAX_DEPTH:
+        return f"is nested more than {MAX_DEPTH} levels deep."
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number."
+    if isinstance(value, str) and not is_text(value):
+        return f"is not text this server can take: {TEXT_RULE}"
+    if isinstance(value, dict) and not all(is_text(key) for key in value):
+        return f"has a key that is not text this server can take: {TEXT_RULE}"
+    return None
+
+
+def children(value, param, depth):
+    if isinstance(value, dict):
+        return [(item, f"{param}.{key}" if param else key, depth + 1) for key, item in value.items()]
+    if isinstance(value, list):
+        return [(item, f"{param}.[{i}]", depth + 1) for i, item in enumerate(value)]
+    return []
+
+
+def is_text(text):
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def sampling_of(data):
     """OpenAI's sampling parameters, and vLLM's top_k, min_p and repetition_penalty."""
     return {
@@ -78,7 +145,7 @@ def sampling_of(data):
         "frequency_penalty": number(data, "frequency_penalty", 0.0, -2.0, 2.0),
         "repetition_penalty": number(data, "repetition_penalty", 1.0, 0.0, 2.0, low_open=True),
         "logit_bias": logit_bias_of(data),
-        "seed": integer(data, "seed", None),
+        "seed": seed_of(data),
         "stop": stop_of(data),
         **logprobs_of(data),
         "beam_width": beam_width_of(data),
@@ -87,7 +154,7 @@ def sampling_of(data):
 
 def extension_of(data):
     """Our own options, under `tokstream` so that no OpenAI parameter is shadowed."""
-    options = data.get("tokstream") or {}
+    options = present(data, "tokstream", {})
     if not isinstance(options, dict):
         raise invalid("`tokstream` must be an object.", param="tokstream")
     unknown = sorted(set(options) - {"beam_width", "detach_on_disconnect"})
@@ -125,6 +192,13 @@ def logprobs_of(data):
     return {"logprobs": wanted, "top_logprobs": top or 0}
 
 
+def seed_of(data):
+    seed = integer(data, "seed", None)
+    if seed is not None and not -MAX_SEED < seed < MAX_SEED:
+        raise invalid("`seed` must be within a 64-bit integer's range.", param="seed")
+    return seed
+
+
 def top_k_of(data):
     value = integer(data, "top_k", 0)
     if value is not None and value < -1:
@@ -133,13 +207,13 @@ def top_k_of(data):
 
 
 def logit_bias_of(data):
-    bias = data.get("logit_bias") or {}
-    vocabulary = registry.vocabulary_size(data["model"]) if bias else 0
+    bias = present(data, "logit_bias", {})
     if not isinstance(bias, dict):
         raise invalid("`logit_bias` must map token ids to numbers.", param="logit_bias")
+    vocabulary = registry.vocabulary_size(data["model"]) if bias else 0
     checked = {}
     for token, value in bias.items():
-        if not str(token).isdigit() or int(token) >= vocabulary:
+        if not TOKEN_ID.fullmatch(token) or int(token) >= vocabulary:
             raise invalid(f"`logit_bias` has {token!r}, which is not a token id of this model.", param="logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise invalid(f"`logit_bias` values must be numbers in [-100, 100]; got {value!r}.", param="logit_bias")
@@ -165,11 +239,12 @@ def messages_of(data):
 
 def message_of(message, index):
     param = f"messages.[{index}]"
-    if not isinstance(message, dict) or message.get("role") not in ROLES:
+    role = message.get("role") if isinstance(message, dict) else None
+    if not isinstance(role, str) or role not in ROLES:  # a list or an object is unhashable
         raise invalid(f"{param}.role must be one of {', '.join(sorted(ROLES))}.", param=f"{param}.role")
-    role = "system" if message["role"] == "developer" else message["role"]
+    role = "system" if role == "developer" else role
     checked = {"role": role, "content": content_text(message.get("content"), f"{param}.content")}
-    if role == "assistant" and message.get("tool_calls"):
+    if role == "assistant" and message.get("tool_calls") is not None:
         checked["tool_calls"] = earlier_calls(message["tool_calls"], f"{param}.tool_calls")
     return checked
 
@@ -182,40 +257,50 @@ def earlier_calls(calls, param):
 
 
 def arguments_of(text):
+    """Arguments that parse (sanely) as JSON are shown to the model as JSON; others as written."""
     try:
-        return json.loads(text) if isinstance(text, str) else text
-    except ValueError:
+        arguments = json.loads(text) if isinstance(text, str) else text
+    except (ValueError, RecursionError):
         return text
+    return text if first_problem(arguments) else arguments
 
 
 def tools_of(data):
-    tools = data.get("tools") or []
+    tools = present(data, "tools", [])
     if not isinstance(tools, list) or not all(is_function_tool(t) for t in tools):
         raise invalid('`tools` must be a list of {"type": "function", "function": {"name", "description", "parameters"}}.', param="tools")
-    choice = data.get("tool_choice", "auto") or "auto"
+    choice = present(data, "tool_choice", "auto")
     if choice not in ("auto", "none"):
         raise invalid('Only `tool_choice` "auto" and "none" are supported.', param="tool_choice")
     return tools if choice == "auto" else []
 
 
 def is_function_tool(tool):
-    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+        return False
+    function = tool["function"]
+    name = function.get("name")
     return (
         tool.get("type") == "function"
-        and isinstance(function, dict)
-        and FUNCTION_NAME.match(str(function.get("name", "")))
+        and isinstance(name, str)
+        and FUNCTION_NAME.fullmatch(name) is not None  # match() with $ let a trailing newline in
         and isinstance(function.get("parameters", {}), dict)
+        and isinstance(function.get("description"), (str, type(None)))
     )
 
 
 def content_text(content, param):
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
+    if isinstance(content, list) and all(is_text_part(p) for p in content):
+        return "".join(p["text"] for p in content)
     if content is None:
         return ""
     raise invalid(f"{param} must be a string or an array of text parts.", param=param)
+
+
+def is_text_part(part):
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
 
 
 def n_of(data):
@@ -225,6 +310,13 @@ def n_of(data):
     if not 1 <= value <= MAX_CHOICES:
         raise invalid(f"`n` must be in [1, {MAX_CHOICES}]; got {value}.", param="n")
     return value
+
+
+def present(data, name, default):
+    """data[name], or `default` when it is missing or null; not `data.get(name) or default`,
+    which took a wrong type that happens to be falsy (0, "", [], false) for "not given"."""
+    value = data.get(name)
+    return default if value is None else value
 
 
 def boolean(data, name, default, param=None):
@@ -237,7 +329,7 @@ def boolean(data, name, default, param=None):
 
 
 def stream_option(data, name):
-    options = data.get("stream_options") or {}
+    options = present(data, "stream_options", {})
     if not isinstance(options, dict):
         raise invalid("`stream_options` must be an object.", param="stream_options")
     return boolean(options, name, False)

@@ -1,7 +1,6 @@
 """The chat page and its session endpoints (signed-in users, CSRF on every POST)."""
 
 import functools
-import json
 
 from django.conf import settings
 from django.contrib.auth.decorators import login_required
@@ -57,10 +56,7 @@ def session_api_view(view, method):
 
 
 def json_body(request):
-    try:
-        body = json.loads(request.body or b"{}")
-    except (ValueError, UnicodeDecodeError):
-        raise invalid("The body must be a JSON object.") from None
+    body = chat_request.json_of(request.body or b"{}")
     if not isinstance(body, dict):
         raise invalid("The body must be a JSON object.")
     return body

@@ -16,7 +16,10 @@ class ChunkWriter:
             "created": admitted.created,
             "model": admitted.model,
         }
+        self.admitted = admitted
         self.prompt_tokens = admitted.prompt_tokens
+        self.produced = {}  # choice -> completion tokens so far, for a stream cut short
+        self.interrupted = False
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
         self.resumed = resumed  # a resumed reader has seen the role already
@@ -50,6 +53,7 @@ class ChunkWriter:
 
     def delta_chunk(self, entry):
         index = entry.get("i", 0)
+        self.produced[index] = entry["n"]
         delta = {**self.opening(index), "content": entry["text"]}
         logprobs = {"content": entry["logprobs"]} if "logprobs" in entry else None
         chunk = self.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
@@ -90,6 +94,12 @@ class ChunkWriter:
         chunks.append({**self.chunk([]), "usage": entry["usage"]} if self.include_usage else None)
         return chunks
 
+    def interrupted_chunks(self, error):
+        """A stream that cannot go on: the error, and the usage so far when it was asked for."""
+        completion = sum(self.produced.values())
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion, "total_tokens": self.prompt_tokens + completion}
+        return [error.body(), {**self.chunk([]), "usage": usage} if self.include_usage else None]
+
     def finish_chunk(self, index, reason):
         delta = self.opening(index)
         if delta:  # a choice that said nothing still names its role, as OpenAI's do
@@ -114,7 +124,17 @@ def tool_calls(entries):
 
 
 MAX_STREAM_SEQ = 2**64 - 1
-EVENT_ID = re.compile(r"^\d+-\d+(\.\d+)?$")
+EVENT_ID = re.compile(r"^(\d{1,20})-(\d{1,20})(\.\d{1,4})?$")
+
+
+def valid_event_id(value):
+    """An id this service could have sent: a Redis stream id (two 64-bit numbers, not 0-0),
+    with an optional event number within the entry."""
+    match = EVENT_ID.match(value)
+    if not match:
+        return False
+    ms, seq = int(match[1]), int(match[2])
+    return ms <= MAX_STREAM_SEQ and seq <= MAX_STREAM_SEQ and (ms, seq) != (0, 0)
 
 
 def sse_frames(entry_id, payloads, done=False, skip=0):
@@ -123,6 +143,13 @@ def sse_frames(entry_id, payloads, done=False, skip=0):
     data = [p and json.dumps(p, separators=(",", ":")) for p in payloads] + (["[DONE]"] if done else [])
     ids = [f"{entry_id}.{k}" for k in range(len(data) - 1)] + [entry_id]
     return "".join(f"id: {i}\ndata: {d}\n\n" for i, d in list(zip(ids, data))[skip:] if d).encode()
+
+
+def unnumbered_frames(payloads):
+    """Events that are not in the log (a stream cut short), then [DONE]: without ids, so a
+    reconnect resumes from the last event that was."""
+    data = [json.dumps(p, separators=(",", ":")) for p in payloads if p] + ["[DONE]"]
+    return "".join(f"data: {d}\n\n" for d in data).encode()
 
 
 def resume_point(last_event_id):
@@ -135,10 +162,13 @@ def resume_point(last_event_id):
     return before, int(seen) + 1
 
 
+UNAVAILABLE = ("worker_unavailable", "queue_timeout", "request_lost")  # the service's fault, not the request's
+
+
 def completion(admitted, deltas, end):
     """The non-streamed answer, from the delta entries and the end entry."""
     if "error" in end:
-        status = 503 if end.get("code") == "worker_unavailable" else 500
+        status = 503 if end.get("code") in UNAVAILABLE else 500
         raise ApiError(status, end["error"], type="server_error", code=end.get("code"))
     return {
         "id": admitted.request_id,

@@ -19,6 +19,10 @@ def invalid(message, param=None, code=None):
     return ApiError(400, message, param=param, code=code)
 
 
+def server_error(message="The server failed to answer the request."):
+    return ApiError(500, message, type="server_error")
+
+
 def forbidden(scope):
     return ApiError(403, f"This API key does not have the `{scope}` scope.", code="insufficient_scope")
 

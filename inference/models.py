@@ -47,3 +47,24 @@ class Turn(models.Model):
     @property
     def streaming(self):
         return self.role == self.ASSISTANT and not self.finish_reason
+
+
+class PendingRequest(models.Model):
+    """An admitted request that has not ended yet. Written with its budget hold, removed with
+    its ledger entry, in one transaction each: so a request lost with Redis (a restart loses
+    the broker's queue) is still found, ended and billed once, and its hold given back."""
+
+    request_id = models.CharField(max_length=64, unique=True)
+    keyspace = models.CharField(max_length=16, db_index=True)  # which Redis and prefix hold its state
+    model = models.CharField(max_length=100)
+    api_key_id = models.BigIntegerField(null=True)
+    user_id = models.BigIntegerField(null=True)
+    prompt_tokens = models.IntegerField()
+    n = models.IntegerField(default=1)
+    received_at = models.FloatField()  # seconds since the epoch, as the task and log carry it
+    reservation = models.JSONField(null=True)  # billing.budgets.reserve's, to give back
+    task = models.JSONField(default=dict)  # the Celery task's arguments
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    def __str__(self):
+        return self.request_id

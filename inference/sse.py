@@ -8,6 +8,7 @@ is noticed at once, and its request is cancelled.
 import asyncio
 import json
 import logging
+import time
 from urllib.parse import parse_qs
 
 from asgiref.sync import sync_to_async
@@ -17,9 +18,9 @@ from django.db import close_old_connections
 
 from billing.models import ApiKey
 
-from . import chat_request, reaper, streamlog
+from . import chat_request, lifecycle, streamlog
 from .admission import Admitted, Owner, admit, owned_meta
-from .chunks import EVENT_ID, ChunkWriter, completion, resume_point, sse_frames
+from .chunks import ChunkWriter, completion, resume_point, sse_frames, unnumbered_frames, valid_event_id
 from .errors import ApiError, forbidden, invalid, too_large, unauthorized
 
 log = logging.getLogger(__name__)
@@ -53,22 +54,6 @@ def header(scope, name):
         if key == name:
             return value.decode("latin-1")
     return ""
-
-
-async def send_json(send, status, payload, headers=()):
-    body = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json"), *headers]})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def send_error(send, exc):
-    headers = [(name.lower().encode(), value.encode()) for name, value in exc.headers.items()]
-    await send_json(send, exc.status, exc.body(), headers)
-
-
-async def send_empty(send, status):
-    await send({"type": "http.response.start", "status": status, "headers": []})
-    await send({"type": "http.response.body", "body": b""})
 
 
 async def read_body(scope, receive):
@@ -107,41 +92,78 @@ async def wait_for_disconnect(receive):
 
 
 async def until_disconnect(receive, work):
-    """Run `work` while watching for the client leaving; True if the client left first."""
+    """Run `work` while watching for the client leaving: (True if the client left first,
+    what the work returned)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(wait_for_disconnect(receive))
     done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     left = task not in done
     (task if left else watcher).cancel()
-    if not left:
-        task.result()  # re-raise what the work raised
-    return left
+    return left, None if left else task.result()  # re-raises what the work raised
 
 
 async def entries(client, admitted, last_id, on_idle=None):
     """Yield (id, entry) from the log after last_id until the end entry, live.
 
-    While the log is idle, check that someone will write it: the worker that claimed the
-    request must be beating; an unclaimed request needs a live worker for its model two idle
-    intervals in a row (one could be a worker restarting). Otherwise the request is ended here
-    (inference.reaper), and the end entry that writes is read like any other.
+    While the log is idle, check that someone will write it (see `idle_check`); a request
+    whose worker is gone is ended here (inference.lifecycle), and the end entry that writes is
+    read like any other. Raises StreamLost when Redis no longer knows the request.
     """
+    reader = streamlog.blocking_client()
     block_ms = settings.TOKSTREAM_KEEPALIVE_SECONDS * 1000
-    orphaned = 0
+    unserved = 0
     while True:
-        batch = await streamlog.read_after(client, admitted.request_id, last_id, block_ms)
+        batch = await streamlog.read_after(reader, admitted.request_id, last_id, block_ms)
         if batch and settings.TOKSTREAM_COALESCE_MS:
             batch = await coalesced(client, admitted.request_id, batch)
         if not batch:
-            orphaned = await orphan_count(client, admitted, orphaned)
-            if orphaned >= 2:
-                await database_sync_to_async(reaper.end_abandoned)(admitted.request_id, abandoned_message(admitted))
-            elif on_idle:
+            unserved, verdict = await idle_check(client, admitted, unserved)
+            if verdict == lifecycle.ENDED:
+                return  # it ended before the point this reader resumed from
+            if on_idle:
                 await on_idle()
         for last_id, entry in batch:
             yield last_id, entry
             if entry["t"] == "end":
                 return
+
+
+class StreamLost(Exception):
+    code = "request_lost"
+
+
+async def idle_check(client, admitted, unserved):
+    """(idle intervals in a row with no live worker for the model, and "ended" if the request
+    is over). A claimed request needs its worker beating; a queued one, its prefetching
+    worker if one took it, its deadline not passed, and a live worker for its model two idle
+    intervals in a row (one could be a worker restarting)."""
+    request_id = admitted.request_id
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.get(lifecycle.state_key(request_id)).hmget(streamlog.key(request_id, "meta"), "worker", "deadline")
+        pipe.hgetall(streamlog.workers_key())
+        state, (worker, deadline), beats = await pipe.execute()
+    if state is None:
+        raise StreamLost(lifecycle.MESSAGES["lost"])
+    if state in (lifecycle.ENDED, lifecycle.ENDING):
+        return 0, state  # ending: whoever ends it writes the end entry next
+    holder = lifecycle.holder(state) or worker
+    if holder:
+        alive = streamlog.beating(beats, holder, admitted.model)
+        await reap_unless(alive, client, request_id, state, "orphaned", ran=state != lifecycle.QUEUED)
+        return 0, None
+    if deadline and time.time() > float(deadline):
+        await reap_unless(False, client, request_id, state, "expired", ran=False)
+        return 0, None
+    unserved = 0 if admitted.model in streamlog.served_models(beats) else unserved + 1
+    await reap_unless(unserved < 2, client, request_id, state, "orphaned", ran=False)
+    return unserved, None
+
+
+async def reap_unless(fine, client, request_id, state, verdict, ran):
+    """End the request here, unless it is fine or someone else (its worker) moved first."""
+    if not fine and await lifecycle.take_over(client, request_id, state):
+        log.warning("request %s ended by its reader: %s", request_id, verdict)
+        await sync_to_async(lifecycle.end_from_reader, thread_sensitive=False)(request_id, verdict, ran)
 
 
 async def coalesced(client, request_id, batch):
@@ -167,66 +189,115 @@ def mergeable(previous, entry):
     return plain(previous) and plain(entry) and previous.get("i", 0) == entry.get("i", 0)
 
 
-async def orphan_count(client, admitted, orphaned):
-    """0 while the request has a live worker; a dead claimed worker counts double."""
-    beats = await streamlog.workers(client)
-    worker = await client.hget(streamlog.key(admitted.request_id, "meta"), "worker")
-    if worker:
-        return 0 if streamlog.beating(beats, worker, admitted.model) else 2
-    return 0 if admitted.model in streamlog.served_models(beats) else orphaned + 1
+class Response:
+    """One HTTP response, tracked so that whatever fails, it ends exactly once: an error in
+    the OpenAI shape before it started, the end of the body after. Daphne must never see an
+    exception once the headers went out (it then tries a 500, and its cleanup breaks)."""
+
+    def __init__(self, send):
+        self.send = send
+        self.started = self.ended = False
+
+    async def start(self, status, headers):
+        self.started = True
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def body(self, data):
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end(self, data=b""):
+        self.ended = True
+        await self.send({"type": "http.response.body", "body": data})
+
+    async def json(self, status, payload, headers=()):
+        await self.start(status, [(b"content-type", b"application/json"), *headers])
+        await self.end(json.dumps(payload).encode())
+
+    async def error(self, exc):
+        await self.json(exc.status, exc.body(), [(name.lower().encode(), value.encode()) for name, value in exc.headers.items()])
+
+    async def empty(self, status):
+        await self.start(status, [])
+        await self.end()
+
+    async def fail(self):
+        """After an unexpected exception: end the response, whatever state it is in."""
+        try:
+            if not self.started:
+                await self.error(ApiError(500, "The server failed while answering; nothing was kept.", type="server_error"))
+            elif not self.ended:
+                await self.end()
+        except Exception:  # the client is gone, say: nothing more to do
+            log.debug("could not end a failed response", exc_info=True)
 
 
-def abandoned_message(admitted):
-    return f"The worker serving `{admitted.model}` stopped answering; the request was abandoned."
-
-
-async def relay_sse(send, client, writer, admitted, last_event_id=""):
-    async def body(data):
-        await send({"type": "http.response.body", "body": data, "more_body": True})
-
+async def relay_sse(response, client, writer, admitted, last_event_id=""):
     last_id, skip = resume_point(last_event_id) if last_event_id else ("0-0", 0)
-    headers = [*SSE_HEADERS, (b"x-request-id", admitted.request_id.encode())]
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await response.start(200, [*SSE_HEADERS, (b"x-request-id", admitted.request_id.encode())])
     retry = retry_hint()
-    async for entry_id, entry in entries(client, admitted, last_id, on_idle=lambda: body(KEEPALIVE)):
-        await body(retry + sse_frames(entry_id, writer.chunks(entry), done=entry["t"] == "end", skip=skip))
-        retry, skip = b"", 0
-    await send({"type": "http.response.body", "body": b""})
+    try:
+        async for entry_id, entry in entries(client, admitted, last_id, on_idle=lambda: response.body(KEEPALIVE)):
+            await response.body(retry + sse_frames(entry_id, writer.chunks(entry), done=entry["t"] == "end", skip=skip))
+            retry, skip = b"", 0
+    except Exception as exc:  # Redis failed or forgot the request: an ending, never silence
+        log.warning("the stream of %s was interrupted: %r", admitted.request_id, exc)
+        writer.interrupted = True
+        await response.body(retry + unnumbered_frames(writer.interrupted_chunks(interruption(exc))))
+    await response.end()
 
 
-async def respond_whole(send, client, admitted):
+def interruption(exc):
+    if isinstance(exc, StreamLost):
+        return ApiError(503, str(exc), type="server_error", code=exc.code)
+    message = f"The stream could not be read on ({type(exc).__name__}); the request may have ended: resume from the last event id."
+    return ApiError(503, message, type="server_error", code="stream_interrupted")
+
+
+async def respond_whole(response, client, admitted):
     deltas = []
     try:
         async for _, entry in entries(client, admitted, "0-0"):
             if entry["t"] in ("delta", "tool", "args"):
                 deltas.append(entry)
-        await send_json(send, 200, completion(admitted, deltas, entry))
+        await response.json(200, completion(admitted, deltas, entry))
     except ApiError as exc:
-        await send_error(send, exc)
+        await response.error(exc)
+    except Exception as exc:
+        log.warning("the answer of %s was interrupted: %r", admitted.request_id, exc)
+        await response.error(interruption(exc))
+        return True
+    return False
 
 
-class ChatCompletions:
-    """POST /v1/chat/completions, streamed or whole; the client leaving cancels the request."""
+class StreamingApp:
+    """An ASGI app whose `serve` may fail anywhere: its response still ends, once."""
 
     async def __call__(self, scope, receive, send):
+        response = Response(send)
+        try:
+            await self.serve(scope, receive, response)
+        except Exception:
+            log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            await response.fail()
+
+
+class ChatCompletions(StreamingApp):
+    """POST /v1/chat/completions, streamed or whole; the client leaving cancels the request."""
+
+    async def serve(self, scope, receive, response):
         try:
             chat, admitted = await self.admit(scope, receive)
         except ApiError as exc:
-            return await send_error(send, exc)
+            return await response.error(exc)
         except ClientGone:
             return
-        except Exception:
-            log.exception("admission failed")
-            return await send_error(send, ApiError(500, "The server failed to accept the request.", type="server_error"))
         client = streamlog.async_client()
-        if chat.stream:
-            writer = ChunkWriter(admitted, chat.include_usage, chat.continuous_usage)
-            work = relay_sse(send, client, writer, admitted)
-        else:
-            work = respond_whole(send, client, admitted)
+        writer = ChunkWriter(admitted, chat.include_usage, chat.continuous_usage)
+        work = relay_sse(response, client, writer, admitted) if chat.stream else respond_whole(response, client, admitted)
         # Counted as a reader, so a resume elsewhere that ends does not cancel this stream.
-        if await follow(receive, work, client, admitted.request_id) is not None and not chat.detach:
-            await streamlog.cancel(client, admitted.request_id)
+        left, interrupted = await follow(receive, work, client, admitted.request_id)
+        if (left is not None or interrupted or writer.interrupted) and not chat.detach:
+            await cancel_quietly(client, admitted.request_id)
 
     async def admit(self, scope, receive):
         if scope["method"] != "POST":
@@ -236,6 +307,15 @@ class ChatCompletions:
             raise unauthorized()
         chat = chat_request.parse(await read_body(scope, receive), header(scope, b"content-type"))
         return chat, await sync_to_async(admit_in_pool, thread_sensitive=False)(chat, owner)
+
+
+async def cancel_quietly(client, request_id):
+    """Stop a request nobody reads any more; with Redis down, its worker stops on its own (the
+    state it checks every step is gone too)."""
+    try:
+        await streamlog.cancel(client, request_id)
+    except Exception:
+        log.warning("could not cancel request %s", request_id, exc_info=True)
 
 
 def admit_in_pool(chat, owner):
@@ -248,34 +328,35 @@ def admit_in_pool(chat, owner):
         close_old_connections()
 
 
-class CompletionEvents:
+class CompletionEvents(StreamingApp):
     """GET /v1/chat/completions/{id}/events: the same stream, replayable with Last-Event-ID.
 
     For EventSource (session) and API keys alike; leaving does not cancel, so a dropped
     connection can come back and continue where it stopped.
     """
 
-    async def __call__(self, scope, receive, send):
+    async def serve(self, scope, receive, response):
         request_id = scope["url_route"]["kwargs"]["request_id"]
         client = streamlog.async_client()
         try:
-            admitted = Admitted.from_meta(request_id, await self.authorized_meta(scope, client, request_id))
+            owner, meta = await self.authorized_meta(scope, client, request_id)
             last_id = last_event_id(scope)
         except ApiError as exc:
             if exc.status == 404 and "text/event-stream" in header(scope, b"accept"):
-                return await send_empty(send, 204)  # expired or unknown: EventSource stops retrying
-            return await send_error(send, exc)
+                return await response.empty(204)  # expired or unknown: EventSource stops retrying
+            return await response.error(exc)
         if last_id and await self.seen_the_end(client, request_id, last_id):
             # 204 tells EventSource to stop reconnecting: there is nothing more to send.
-            return await send_empty(send, 204)
-        writer = ChunkWriter(admitted, include_usage=True, continuous_usage=True, resumed=bool(last_id))
-        readers_left = await follow(receive, relay_sse(send, client, writer, admitted, last_id), client, request_id)
+            return await response.empty(204)
+        writer = resumed_writer(Admitted.from_meta(request_id, meta), meta, owner, resumed=bool(last_id))
+        readers_left, _ = await follow(receive, relay_sse(response, client, writer, writer.admitted, last_id), client, request_id)
         if readers_left == 0:
             cancel_unless_followed(client, request_id)
 
     async def seen_the_end(self, client, request_id, last_event_id):
+        """True when the request ended and this id is its last event or past it."""
         newest = await streamlog.last_entry(client, request_id)
-        return newest is not None and newest[1]["t"] == "end" and newest[0] == last_event_id
+        return newest is not None and newest[1]["t"] == "end" and seen_past(last_event_id, newest[0])
 
     async def authorized_meta(self, scope, client, request_id):
         if scope["method"] != "GET":
@@ -283,18 +364,41 @@ class CompletionEvents:
         owner = await bearer_owner(scope) or await session_owner(scope)
         if owner is None:
             raise unauthorized()
-        return owned_meta(await streamlog.load_meta(client, request_id), owner, request_id)
+        return owner, owned_meta(await streamlog.load_meta(client, request_id), owner, request_id)
+
+
+def resumed_writer(admitted, meta, owner, resumed):
+    """A key's reader gets the chunks the request asked for, so a resume continues the same
+    stream; the chat page (a session) always gets the usage, live."""
+    if owner.api_key_id is None:
+        return ChunkWriter(admitted, include_usage=True, continuous_usage=True, resumed=resumed)
+    return ChunkWriter(admitted, meta.get("include_usage") == "1", meta.get("continuous_usage") == "1", resumed=resumed)
+
+
+def seen_past(last_event_id, end_id):
+    """Whether a reader that saw `last_event_id` saw the end entry `end_id` whole, or more."""
+    seen, _, part = last_event_id.partition(".")
+    return (entry_order(seen), not part) >= (entry_order(end_id), True)
+
+
+def entry_order(entry_id):
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq)
 
 
 async def follow(receive, work, client, request_id):
-    """Run `work` as one of the request's readers. Returns None if it ran to its end, or, if
-    the client left first, how many readers the request still has."""
+    """Run `work` as one of the request's readers. Returns (None if it ran to its end, or, if
+    the client left first, how many readers the request still has; what the work returned)."""
     await streamlog.add_reader(client, request_id, +1)
+    readers = 0
     try:
-        left = await until_disconnect(receive, work)
+        left, result = await until_disconnect(receive, work)
     finally:
-        readers = await streamlog.add_reader(client, request_id, -1)
-    return max(readers, 0) if left else None
+        try:
+            readers = await streamlog.add_reader(client, request_id, -1)
+        except Exception:  # Redis is down: nobody can cancel anything now anyway
+            log.warning("could not count a reader of %s leaving", request_id, exc_info=True)
+    return (max(readers, 0) if left else None), result
 
 
 _pending_cancels = set()
@@ -317,7 +421,7 @@ def cancel_unless_followed(client, request_id):
 def last_event_id(scope):
     """Last-Event-ID from the header, or the query for clients that cannot set headers."""
     value = header(scope, b"last-event-id") or query(scope, "last_event_id")
-    if value and not EVENT_ID.match(value):
+    if value and not valid_event_id(value):
         raise invalid(f"Last-Event-ID {value!r} is not an id this stream sent.", param="last_event_id")
     return value
 

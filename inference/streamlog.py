@@ -8,6 +8,7 @@ metadata expires with it).
 
 import asyncio
 import functools
+import hashlib
 import json
 import re
 import time
@@ -15,6 +16,9 @@ import weakref
 
 import redis
 import redis.asyncio
+import redis.asyncio.retry
+import redis.retry
+from redis.backoff import ExponentialWithJitterBackoff
 from django.conf import settings
 
 ENTRY_ID = re.compile(r"^\d+-\d+$")
@@ -25,13 +29,41 @@ def key(request_id, kind):
     return f"{settings.TOKSTREAM_REDIS_PREFIX}:req:{request_id}:{kind}"
 
 
+def keyspace():
+    """Names this Redis and key prefix (a database may serve several), without the URL's secrets."""
+    return hashlib.sha256(f"{settings.REDIS_URL}|{settings.TOKSTREAM_REDIS_PREFIX}".encode()).hexdigest()[:16]
+
+
 def workers_key():
     return f"{settings.TOKSTREAM_REDIS_PREFIX}:workers"
 
 
+# Every Redis call's time-out, from what it waits for. redis-py 8 gives a client a 5 s socket
+# time-out unless told otherwise, which killed every XREAD BLOCK longer than that.
+CONNECT_TIMEOUT = 2  # seconds to open a connection
+CALL_TIMEOUT = 5  # any call that does not block on the server
+BLOCK_MARGIN = 5  # a blocking read waits its block time, plus this for the round trip
+RETRIES = 3  # a dropped connection is tried again, briefly: a Redis restart takes seconds
+
+
+def client_options(block_seconds=0):
+    """The options of a client whose longest call blocks `block_seconds` on the server."""
+    return {
+        "decode_responses": True,
+        "socket_connect_timeout": CONNECT_TIMEOUT,
+        "socket_timeout": block_seconds + BLOCK_MARGIN if block_seconds else CALL_TIMEOUT,
+        "health_check_interval": 30,
+    }
+
+
+def _retry(kind):
+    # Not on a time-out: a call that timed out would wait its whole time-out again.
+    return kind.Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), RETRIES, supported_errors=(redis.ConnectionError,))
+
+
 @functools.cache
 def _sync_client(url):
-    return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=2, socket_timeout=10)
+    return redis.Redis.from_url(url, retry=_retry(redis.retry), **client_options())
 
 
 def sync_client():
@@ -39,13 +71,18 @@ def sync_client():
     return _sync_client(settings.REDIS_URL)
 
 
-def async_client():
-    """One client per event loop: asyncio connections cannot cross loops. No read time-out,
-    since XREAD blocks for up to the keep-alive interval."""
-    loop = asyncio.get_running_loop()
-    if loop not in _async_clients:
-        _async_clients[loop] = redis.asyncio.Redis.from_url(settings.REDIS_URL, decode_responses=True, socket_connect_timeout=2)
-    return _async_clients[loop]
+def async_client(block_seconds=0):
+    """One client per event loop and time-out (asyncio connections cannot cross loops); a
+    reader that blocks passes how long it blocks at most."""
+    clients = _async_clients.setdefault(asyncio.get_running_loop(), {})
+    if block_seconds not in clients:
+        clients[block_seconds] = redis.asyncio.Redis.from_url(settings.REDIS_URL, retry=_retry(redis.asyncio.retry), **client_options(block_seconds))
+    return clients[block_seconds]
+
+
+def blocking_client():
+    """The client for XREAD BLOCK, which waits up to the keep-alive interval."""
+    return async_client(settings.TOKSTREAM_KEEPALIVE_SECONDS)
 
 
 def append(client, request_id, *entries):
@@ -55,8 +92,9 @@ def append(client, request_id, *entries):
     with client.pipeline(transaction=False) as pipe:
         for entry in entries:
             pipe.xadd(log, {"e": json.dumps(entry)}, maxlen=settings.TOKSTREAM_LOG_MAXLEN, approximate=True)
-        pipe.expire(log, settings.TOKSTREAM_LOG_TTL)
-        pipe.expire(key(request_id, "meta"), settings.TOKSTREAM_LOG_TTL)
+        # Never shorter: a queued request's keys must outlive its wait (see admit).
+        for kind in ("log", "meta", "state"):
+            pipe.expire(key(request_id, kind), settings.TOKSTREAM_LOG_TTL, gt=True)
         return pipe.execute()[0]
 
 
@@ -87,12 +125,16 @@ async def read_after(client, request_id, last_id, block_ms):
     return decode_entries(reply[0][1]) if reply else []
 
 
-def save_meta(client, request_id, meta):
-    meta_key = key(request_id, "meta")
+def admit(client, request_id, meta, opening):
+    """A new request's metadata, its state "queued" and its log's first entry, at once. They
+    must outlive the longest wait in the queue, and then the log's TTL."""
+    ttl = settings.TOKSTREAM_QUEUE_TIMEOUT + settings.TOKSTREAM_LOG_TTL
     with client.pipeline(transaction=True) as pipe:
-        pipe.hset(meta_key, mapping=meta)
-        # Until the first entry pushes it forward, it must outlive a wait in the queue.
-        pipe.expire(meta_key, settings.TOKSTREAM_LOG_TTL + 3600)
+        pipe.hset(key(request_id, "meta"), mapping=meta)
+        pipe.expire(key(request_id, "meta"), ttl)
+        pipe.set(key(request_id, "state"), "queued", ex=ttl)
+        pipe.xadd(key(request_id, "log"), {"e": json.dumps(opening)}, maxlen=settings.TOKSTREAM_LOG_MAXLEN, approximate=True)
+        pipe.expire(key(request_id, "log"), ttl)
         pipe.execute()
 
 
@@ -128,14 +170,17 @@ def steer(client, request_id, text):
 
 
 def signals_among(client, request_ids):
-    """Which of these live requests were asked to stop, and the steering sent to each since
-    the last look: one MGET per engine step, and a second round trip only when steered."""
+    """Which of these live requests were asked to stop, the steering sent to each since the
+    last look, and each one's state: one MGET per engine step, and a second round trip only
+    when steered."""
     if not request_ids:
-        return set(), {}
-    flags = client.mget([key(r, kind) for r in request_ids for kind in ("cancel", "steered")])
-    cancelled = {r for r, flag in zip(request_ids, flags[::2]) if flag}
-    steered = [r for r, flag in zip(request_ids, flags[1::2]) if flag]
-    return cancelled, take_steering(client, steered) if steered else {}
+        return set(), {}, {}
+    kinds = ("cancel", "steered", "state")
+    flags = client.mget([key(r, kind) for r in request_ids for kind in kinds])
+    cancelled = {r for r, flag in zip(request_ids, flags[::3]) if flag}
+    steered = [r for r, flag in zip(request_ids, flags[1::3]) if flag]
+    states = dict(zip(request_ids, flags[2::3]))
+    return cancelled, take_steering(client, steered) if steered else {}, states
 
 
 def take_steering(client, request_ids):

@@ -2,7 +2,10 @@
 
 import functools
 import json
+import logging
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.db import connection
 from django.http import HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -13,9 +16,11 @@ from billing.models import ApiKey
 
 from . import metrics, prompt_count, registry, streamlog
 from .admission import Owner, owned_meta
-from .errors import ApiError, forbidden, invalid, unauthorized
+from .chat_request import is_text
+from .errors import ApiError, forbidden, invalid, server_error, too_large, unauthorized
 
 MAX_STEER_CHARS = 8000
+log = logging.getLogger(__name__)
 
 
 def error_response(exc):
@@ -37,7 +42,8 @@ def api_key_required(view):
 
 
 def api_post(view):
-    """POST with a bearer key, errors in the OpenAI shape. No CSRF: no cookie authenticates it."""
+    """POST with a bearer key, errors in the OpenAI shape (a failure of ours too: an OpenAI
+    client cannot read Django's HTML page). No CSRF: no cookie authenticates it."""
 
     @functools.wraps(view)
     def wrapper(request, *args, **kwargs):
@@ -50,8 +56,13 @@ def api_post(view):
             if not key.has_scope("chat"):
                 raise forbidden("chat")
             return view(request, Owner.of_key(key), *args, **kwargs)
+        except RequestDataTooBig:
+            return error_response(too_large(settings.TOKSTREAM_MAX_BODY_BYTES))
         except ApiError as exc:
             return error_response(exc)
+        except Exception:
+            log.exception("%s failed", view.__name__)
+            return error_response(server_error())
 
     return csrf_exempt(wrapper)
 
@@ -140,8 +151,8 @@ def steer(owner, request_id, text):
 def steering_text(body):
     try:
         content = json.loads(body).get("content")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         raise invalid("The body must be a JSON object with `content`.") from None
-    if not isinstance(content, str) or not content.strip() or len(content) > MAX_STEER_CHARS:
+    if not isinstance(content, str) or not content.strip() or len(content) > MAX_STEER_CHARS or not is_text(content):
         raise invalid(f"`content` must be non-empty text of at most {MAX_STEER_CHARS} characters.", param="content")
     return content

@@ -19,6 +19,7 @@ from .engine import Engine, Request, SamplingParams
 
 log = logging.getLogger(__name__)
 _loops = {}
+LOST_CLAIM = "The request was taken from this worker (its state was lost or it was ended elsewhere)."
 _loops_lock = threading.Lock()
 
 
@@ -31,6 +32,7 @@ class EngineLoop(threading.Thread):
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{model.device}"  # one engine of the process
         self.last_beat = 0.0
         self.outboxes = {}
+        self.claimed = set()  # request ids this worker claimed: they must stay claimed to run
         self.wake = threading.Event()
         self.stopping = threading.Event()
 
@@ -42,11 +44,16 @@ class EngineLoop(threading.Thread):
         self.stopping.set()
         self.wake.set()
 
-    def submit(self, *requests):
-        """Queue the choices of one request; their outputs arrive in one outbox, in order."""
+    def submit(self, *requests, claimed=False):
+        """Queue the choices of one request; their outputs arrive in one outbox, in order. A
+        `claimed` request is stopped should its claim be lost (see apply_signals)."""
+        if any(request.request_id in self.outboxes for request in requests):
+            raise ValueError(f"request {requests[0].group} is already running here")
         outbox = queue.Queue()
         for request in requests:
             self.outboxes[request.request_id] = outbox
+        if claimed:
+            self.claimed.add(requests[0].group)
         self.engine.add(*requests)
         self.wake.set()
         return outbox
@@ -75,9 +82,16 @@ class EngineLoop(threading.Thread):
 
     def apply_signals(self):
         # Waiting requests too: one whose client left while it queued is never prefilled.
-        cancelled, steering = streamlog.signals_among(self.redis, self.engine.live_ids())
+        live = self.engine.live_ids()
+        self.claimed &= set(live)
+        cancelled, steering, states = streamlog.signals_among(self.redis, live)
         for request_id in cancelled:
             self.engine.cancel(request_id)
+        for request_id in self.claimed:
+            if states[request_id] != f"running {self.worker_id}":
+                # Ended by a reader that thought this worker dead, or lost with Redis: nobody
+                # reads on, and another ending is already written or on its way.
+                self.engine.cancel(request_id, error=LOST_CLAIM)
         for request_id, texts in steering.items():
             for text in texts:
                 self.engine.steer(request_id, text)
@@ -160,3 +174,33 @@ def engine_loop(name):
         if name not in _loops:
             _loops[name] = start_loops(name)
         return min(_loops[name], key=lambda loop: loop.load())
+
+
+class Sweeper(threading.Thread):
+    """Ends, every so often, the requests nobody else will (inference.lifecycle.sweep)."""
+
+    def __init__(self):
+        super().__init__(daemon=True, name="sweeper")
+
+    def run(self):
+        from django.db import close_old_connections
+
+        from . import lifecycle
+
+        while True:
+            time.sleep(lifecycle.SWEEP_SECONDS)
+            close_old_connections()
+            try:
+                ended = lifecycle.sweep(streamlog.sync_client())
+                if ended:
+                    log.warning("the sweeper ended %d requests nobody else would", ended)
+            except Exception:  # Redis or the database away: look again later
+                log.exception("sweeping pending requests failed")
+
+
+def reserve(request_id, model):
+    """A task was prefetched: its readers now watch this worker."""
+    from . import lifecycle
+
+    if model in _loops:
+        lifecycle.reserve(streamlog.sync_client(), request_id, engine_loop(model).worker_id)

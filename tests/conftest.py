@@ -53,12 +53,13 @@ def live_service(django_db_setup, django_db_blocker, redis_client):
 
 
 @contextlib.contextmanager
-def separate_service(django_db_blocker, redis_db, **options):
+def separate_service(django_db_blocker, redis_db, redis_url=None, **options):
     """A service of a test's own, on a Redis database of its own (so its Celery queue is its
-    own too): for tests that kill a worker or need several processes."""
+    own too), or on the Redis at `redis_url`: for tests that kill a worker or need several
+    processes."""
     from django.db import connection
 
-    redis_url = os.environ["TEST_REDIS_URL"].rsplit("/", 1)[0] + f"/{redis_db}"
+    redis_url = redis_url or os.environ["TEST_REDIS_URL"].rsplit("/", 1)[0] + f"/{redis_db}"
     service = LiveService(connection.settings_dict, TEST_REDIS_URL=redis_url, **options)
     try:
         service.start()

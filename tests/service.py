@@ -32,13 +32,14 @@ class LiveService:
         self.url, self.port = self.urls[0], self.ports[0]
         self.workers = workers
         self.env = {**os.environ, "DATABASE_URL": database_url(db_settings), "PYTHONUNBUFFERED": "1", **env}
+        self.concurrency = int(self.env.get("TOKSTREAM_MAX_RUNNING", 8))  # as `manage.py serve` runs it
         self.logs = ROOT / ".cache" / "test-logs" / str(self.port)
         self.children = []
 
     def start(self):
         self.logs.mkdir(parents=True, exist_ok=True)
         for n in range(self.workers):
-            self.spawn(f"worker-{n}" if n else "worker", processes.worker_command(4, hostname=f"test-{self.port}-{n}@%h"))
+            self.spawn(f"worker-{n}" if n else "worker", processes.worker_command(self.concurrency, hostname=f"test-{self.port}-{n}@%h"))
         for n, port in enumerate(self.ports):
             self.spawn(f"daphne-{n}" if n else "daphne", processes.daphne_command("127.0.0.1", port))
         self.wait_healthy(timeout=120)

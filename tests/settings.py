@@ -23,8 +23,7 @@ if "TEST_REDIS_URL" not in os.environ:
     os.environ["TOKSTREAM_TEST_OWN_REDIS"] = "1"
 os.environ["REDIS_URL"] = os.environ["TEST_REDIS_URL"]
 os.environ.setdefault("TOKSTREAM_REDIS_PREFIX", f"tokstream-test-{uuid.uuid4().hex[:8]}")
-os.environ.setdefault("TOKSTREAM_KEEPALIVE_SECONDS", "2")
-os.environ.setdefault("TOKSTREAM_ABANDON_SECONDS", "2")
+# Every timing setting keeps its shipped value: a test that needs another says why beside it.
 # The real model, and the echo model on its tokenizer (a reply is the user's words, at a
 # real model's pace): the chat page's tests script their streams with it.
 os.environ.setdefault(

@@ -11,11 +11,14 @@ def chat_body(content, **extra):
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
 
 
-def events(response):
-    """Yield (event id or None, data) for each event of a streaming response."""
+def events(response, on_comment=None):
+    """Yield (event id or None, data) for each event of a streaming response; comment lines
+    (keep-alives) call on_comment."""
     event_id, data = None, []
     for line in response.iter_lines():
-        if line.startswith("id:"):
+        if line.startswith(":") and on_comment:
+            on_comment()
+        elif line.startswith("id:"):
             event_id = line[3:].strip()
         elif line.startswith("data:"):
             data.append(line[5:].strip())

@@ -41,6 +41,19 @@ def test_the_csv_action_exports_the_selected_rows(admin_client):
     assert [int(r["id"]) for r in rows] == chosen and rows[0]["entry_hash"]
 
 
+def test_the_csv_action_writes_no_formula_and_keeps_negative_counts(admin_client):
+    now = ledger.as_datetime(time.time())
+    entry = ledger.record(
+        "r-admin-formula", "stop", model="m", tokenizer="t", prompt_tokens=10, completion_tokens=3,
+        vendor_request_id="=cmd|' /C calc'!A0", received_at=now, finished_at=now,
+    )  # fmt: skip
+    reversal = ledger.reverse(entry, "-2+3+cmd|' /C calc'!A0")
+    response = admin_client.post(CHANGELIST, {"action": "export_csv", "_selected_action": [entry.pk, reversal.pk]})
+    usage, reversed_ = csv.DictReader(io.StringIO(response.content.decode()))
+    assert usage["vendor_request_id"] == "'=cmd|' /C calc'!A0" and reversed_["error"] == "'-2+3+cmd|' /C calc'!A0"
+    assert (reversed_["prompt_tokens"], reversed_["completion_tokens"]) == ("-10", "-3")  # numbers stay numbers
+
+
 @pytest.fixture
 def browser(live_service, monkeypatch):
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's loop runs in this thread

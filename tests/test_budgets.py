@@ -8,6 +8,7 @@ import httpx
 import pytest
 from django.utils import timezone
 
+from billing import budgets
 from billing.models import ApiKey, Budget, PriceSheet, UsageEntry
 from tests.sse import MODEL, auth, chat_body
 
@@ -57,3 +58,13 @@ def test_a_money_budget_counts_the_worst_case_at_current_prices(live_service):
     entry = UsageEntry.objects.get(api_key=key)
     assert entry.total_cost > 0 and entry.price_sheet is not None
     assert post(live_service, raw, 100).status_code == 429  # 0.2 more could pass the limit
+
+
+@pytest.mark.parametrize("period, word", [("day", "daily"), ("month", "monthly")])
+def test_a_refusal_names_its_period_in_a_word(period, word):
+    key, _ = ApiKey.issue("worded")
+    budget = Budget.objects.create(api_key=key, period=period, token_limit=5, money_limit=Decimal("0.01"))
+    with pytest.raises(budgets.OverBudget, match=f"the {word} budget of 5 has 5 left"):
+        budgets.check(budget, 10, Decimal(0), timezone.now())
+    with pytest.raises(budgets.OverBudget, match=f"the {word} budget of 0.01 does not"):
+        budgets.check(budget, 1, Decimal(1), timezone.now())

@@ -152,6 +152,7 @@ TOKSTREAM_WORKER_TTL = env_int("TOKSTREAM_WORKER_TTL", 15, minimum=2)
 TOKSTREAM_ABANDON_SECONDS = env_int("TOKSTREAM_ABANDON_SECONDS", 10, minimum=0)
 TOKSTREAM_MAX_QUEUED = env_int("TOKSTREAM_MAX_QUEUED", 64, minimum=1)
 TOKSTREAM_COALESCE_MS = env_int("TOKSTREAM_COALESCE_MS", 0, minimum=0)
+TOKSTREAM_QUEUE_TIMEOUT = env_int("TOKSTREAM_QUEUE_TIMEOUT", 600, minimum=1)
 
 # Vendors whose usage exports (CSV) are reconciled with the ledger: which column holds what,
 # which of our models the vendor serves, and how far counts and costs may differ unflagged.

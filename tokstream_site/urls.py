@@ -1,10 +1,31 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
+from django.http import JsonResponse
 from django.urls import path
+from django.views import defaults
 from drf_spectacular.views import SpectacularAPIView
 
 from billing import api
 from inference import chat_views, views
+from inference.errors import not_found, server_error
+
+API_PATHS = ("/v1/", "/api/")  # programs read errors there: OpenAI's JSON shape, never a page
+
+
+def page_not_found(request, exception=None):
+    if request.path.startswith(API_PATHS):
+        return JsonResponse(not_found(f"No endpoint {request.path!r}.", code="unknown_url").body(), status=404)
+    return defaults.page_not_found(request, exception)
+
+
+def failed(request):
+    if request.path.startswith(API_PATHS):
+        return JsonResponse(server_error().body(), status=500)
+    return defaults.server_error(request)
+
+
+handler404 = page_not_found
+handler500 = failed
 
 urlpatterns = [
     path("", chat_views.chat_page, name="chat"),

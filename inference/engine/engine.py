@@ -127,7 +127,7 @@ class Engine:
         self.waiting = deque()
         self.running = []
         self.stats = Counter()  # computed_prompt_tokens, cached_prompt_tokens, steps, ...
-        self._cancelled = set()
+        self._cancelled = {}  # request id -> None (the client's cancel) or why it failed
         self._steers = []
         self._lock = threading.Lock()
 
@@ -137,10 +137,11 @@ class Engine:
         with self._lock:
             self.waiting.extend(requests)
 
-    def cancel(self, request_id):
-        """Takes effect at the next step boundary, for every choice of the request."""
+    def cancel(self, request_id, error=None):
+        """Takes effect at the next step boundary, for every choice of the request; with an
+        `error`, the request ends as failed rather than cancelled."""
         with self._lock:
-            self._cancelled.add(request_id)
+            self._cancelled.setdefault(request_id, error)
 
     def steer(self, request_id, text):
         """Inject text into every choice of a running request at the next step boundary."""
@@ -185,11 +186,14 @@ class Engine:
 
     def _apply_cancels(self):
         with self._lock:
-            cancelled, self._cancelled = self._cancelled, set()
+            cancelled, self._cancelled = self._cancelled, {}
             waiting = [r for r in self.waiting if r.group in cancelled]
             self.waiting = deque(r for r in self.waiting if r.group not in cancelled)
         running = [r for r in self.running if r.group in cancelled]
-        return [self._finish(r, "cancelled") for r in (*waiting, *running)]
+        return [self._end_cancelled(r, cancelled[r.group]) for r in (*waiting, *running)]
+
+    def _end_cancelled(self, request, error):
+        return self._finish(request, "cancelled") if error is None else self._finish(request, "error", error=error)
 
     def _apply_steers(self):
         """Each sequence of the steered request takes the text once: now if it runs, or when

@@ -1,0 +1,323 @@
+"""One request's life, the same whoever ends it.
+
+Admitted: a pending row in the database (with its budget hold) and, in Redis, its metadata,
+its log and its state key, "queued". A worker that prefetched it names itself in the metadata,
+so readers watch that worker. Claimed, atomically, by one worker: "running <worker>". Ended
+once: the ledger entry, the hold given back and the pending row removed in one transaction;
+then the end entry and the state "ended" in one Redis step. Whoever ends it (its worker, a
+reader that found the worker dead, a worker that finds it unclaimable, or the sweeper) goes
+through `end`, and a second ender finds the ledger row and the "ended" state and adds nothing.
+"""
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import close_old_connections, transaction
+from django.utils import timezone
+
+from billing import budgets, ledger
+
+from . import limits, metrics, streamlog
+from .models import PendingRequest
+
+log = logging.getLogger(__name__)
+QUEUED, ENDING, ENDED, RUNNING = "queued", "ending", "ended", "running "
+# Why a request could not run, as its end entry says (and a non-streamed answer's 503).
+CODES = {"expired": "queue_timeout", "lost": "request_lost", "orphaned": "worker_unavailable"}
+MESSAGES = {
+    "expired": "The request waited longer than TOKSTREAM_QUEUE_TIMEOUT for a worker; it was not run.",
+    "lost": "The request's state was lost (Redis restarted) before it ended.",
+    "orphaned": "The worker running the request stopped answering; the request was abandoned.",
+}
+
+CLAIM = """
+local state = redis.call('GET', KEYS[1])
+if not state then return 'lost' end
+if state == 'ended' or state == 'ending' then return 'ended' end
+if string.sub(state, 1, 8) == 'running ' then
+  local beat = redis.call('HGET', KEYS[5], string.sub(state, 9) .. ':' .. ARGV[4])
+  if beat and cjson.decode(beat)['until'] >= tonumber(ARGV[2]) then return 'running' end
+  redis.call('SET', KEYS[1], 'ending', 'KEEPTTL')
+  return 'orphaned'
+end
+local verdict = 'claimed'
+local deadline = redis.call('HGET', KEYS[3], 'deadline')
+if redis.call('EXISTS', KEYS[2]) == 1 then verdict = 'cancelled'
+elseif deadline and tonumber(ARGV[2]) > tonumber(deadline) then verdict = 'expired' end
+redis.call('ZREM', KEYS[4], ARGV[3])
+if verdict ~= 'claimed' then
+  redis.call('SET', KEYS[1], 'ending', 'KEEPTTL')
+  return verdict
+end
+redis.call('SET', KEYS[1], 'running ' .. ARGV[1], 'KEEPTTL')
+redis.call('HSET', KEYS[3], 'worker', ARGV[1])
+return verdict
+"""
+
+RESERVE = """
+if redis.call('GET', KEYS[1]) == 'queued' then redis.call('HSET', KEYS[2], 'worker', ARGV[1]) end
+"""
+
+TAKE_OVER = """
+local state = redis.call('GET', KEYS[1])
+if ARGV[1] == '' then
+  if state then return 0 end
+  redis.call('SET', KEYS[1], 'ending', 'EX', ARGV[2])
+  return 1
+end
+if state ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], 'ending', 'KEEPTTL')
+return 1
+"""
+
+FINISH = """
+if redis.call('GET', KEYS[2]) == 'ended' then return 0 end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'e', ARGV[1])
+redis.call('SET', KEYS[2], 'ended', 'EX', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+return 1
+"""
+
+
+def state_key(request_id):
+    return streamlog.key(request_id, "state")
+
+
+def claim(client, request_id, model, worker_id):
+    """'claimed' (run it), 'running' (a live worker has it: a duplicate), 'ended', or why it
+    must end unrun: 'cancelled', 'expired', 'lost', 'orphaned' (its worker died)."""
+    keys = [state_key(request_id), streamlog.key(request_id, "cancel"), streamlog.key(request_id, "meta"), limits.queue_key(model), streamlog.workers_key()]
+    return client.eval(CLAIM, len(keys), *keys, worker_id, time.time(), request_id, model)
+
+
+def reserve(client, request_id, worker_id):
+    """A worker prefetched the request: should that worker die, its readers know whom to ask."""
+    client.eval(RESERVE, 2, state_key(request_id), streamlog.key(request_id, "meta"), worker_id)
+
+
+def take_over(client, request_id, observed):
+    """Become the one who ends the request, if its state is still `observed` (None: missing).
+    Works with the sync or the asyncio client."""
+    return client.eval(TAKE_OVER, 1, state_key(request_id), observed or "", settings.TOKSTREAM_LOG_TTL)
+
+
+def holder(state):
+    """The worker a "running" state names, else None."""
+    return state[len(RUNNING) :] if state and state.startswith(RUNNING) else None
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What billing a request needs, wherever it is read from."""
+
+    request_id: str
+    model: str
+    api_key_id: int | None
+    user_id: int | None
+    received_at: float
+    prompt_tokens: int
+    n: int = 1
+
+    @classmethod
+    def of_pending(cls, row):
+        return cls(row.request_id, row.model, row.api_key_id, row.user_id, row.received_at, row.prompt_tokens, row.n)
+
+    @classmethod
+    def of_meta(cls, request_id, meta):
+        def number(name):
+            return int(meta[name]) if meta.get(name) else None
+
+        return cls(request_id, meta["model"], number("api_key_id"), number("user_id"), float(meta.get("received_at") or time.time()), int(meta["prompt_tokens"]), int(meta.get("n", 1)))
+
+
+@dataclass
+class Outcome:
+    """What the ledger, the end of the log and the metrics all say of one finished request."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: str = ""
+    started_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    code: str | None = None
+
+    def ledger_fields(self, received_at):
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "error": self.error,
+            "received_at": ledger.as_datetime(received_at),
+            "started_at": ledger.as_datetime(self.started_at),
+            "first_token_at": ledger.as_datetime(self.first_token_at),
+            "finished_at": ledger.as_datetime(self.finished_at or time.time()),
+        }
+
+    def usage(self):
+        total = self.prompt_tokens + self.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
+
+
+def unrun(verdict, completion_tokens=0, prompt_tokens=0):
+    """The outcome of a request ended without (more) generation: cancelled, or failed."""
+    if verdict == "cancelled":
+        return Outcome("cancelled", prompt_tokens, completion_tokens)
+    return Outcome("error", prompt_tokens, completion_tokens, error=MESSAGES[verdict], code=CODES[verdict])
+
+
+def end(client, facts, outcome, finish_reasons=None, gaps=(), **ledger_fields):
+    """End the request once: its ledger entry (with the hold back), then its end entry."""
+    reasons = finish_reasons or [outcome.finish_reason] * facts.n
+    write_ledger(facts, outcome, **ledger_fields)
+    publish_end(client, facts.request_id, end_entry(reasons, outcome))
+    after_end(client, facts, outcome, gaps)
+
+
+def write_ledger(facts, outcome, **fields):
+    owner = {"api_key_id": facts.api_key_id, "user_id": facts.user_id}
+    fields = {"model": facts.model, **owner, **outcome.ledger_fields(facts.received_at), **fields}
+    try:
+        with transaction.atomic():
+            pending = PendingRequest.objects.select_for_update().filter(request_id=facts.request_id).first()
+            _, created = ledger.record_once(facts.request_id, outcome.finish_reason, **fields)
+            if pending is not None:
+                if created:
+                    budgets.settle(pending.reservation)
+                pending.delete()
+    except Exception:  # the client still gets its end; the operator gets the alarm, the sweeper a retry
+        log.critical("no ledger entry could be written for request %s", facts.request_id, exc_info=True)
+
+
+def end_entry(finish_reasons, outcome):
+    """The last log entry: the same counts the ledger entry was given, and each choice's ending."""
+    end = {"t": "end", "finish_reasons": finish_reasons, "usage": outcome.usage()}
+    if outcome.error:
+        end["error"] = outcome.error
+    if outcome.code:
+        end["code"] = outcome.code
+    return end
+
+
+def publish_end(client, request_id, entry, attempts=5):
+    """The end entry and the state "ended" in one step, unless another ender was first; tried
+    again for a few seconds, so a Redis restart does not swallow it."""
+    keys = [streamlog.key(request_id, "log"), state_key(request_id), streamlog.key(request_id, "meta")]
+    for attempt in range(attempts):
+        try:
+            return client.eval(FINISH, len(keys), *keys, json.dumps(entry), settings.TOKSTREAM_LOG_MAXLEN, settings.TOKSTREAM_LOG_TTL)
+        except Exception:
+            if attempt == attempts - 1:
+                log.error("the end of request %s could not be logged", request_id, exc_info=True)
+                return 0
+            time.sleep(1)
+
+
+def after_end(client, facts, outcome, gaps):
+    """What may fail without costing the request its end: the queue, the metrics, the chat."""
+    from . import chats  # the chat page's replies sit above the lifecycle
+
+    steps = [
+        lambda: limits.leave_queue(client, facts.model, facts.request_id),
+        lambda: record_metrics(client, facts, outcome, gaps),
+        lambda: chats.settle_request(facts.request_id),
+    ]
+    for step in steps:
+        try:
+            step()
+        except Exception:
+            log.warning("after the end of request %s", facts.request_id, exc_info=True)
+
+
+def record_metrics(client, facts, outcome, gaps):
+    def since_arrival(moment):
+        return None if moment is None else moment - facts.received_at
+
+    timings = {
+        "queue_time_seconds": since_arrival(outcome.started_at),
+        "time_to_first_token_seconds": since_arrival(outcome.first_token_at),
+        "e2e_request_latency_seconds": since_arrival(outcome.finished_at),
+    }
+    status = str(ledger.STATUS_OF_REASON[outcome.finish_reason])
+    metrics.record_request(client, facts.model, status, timings, list(gaps), outcome.prompt_tokens, outcome.completion_tokens)
+
+
+def usage_in_log(client, request_id):
+    """Each choice's count of produced tokens, from its latest delta in the log."""
+    produced = {}
+    for _, entry in streamlog.read_all(client, request_id):
+        if entry["t"] == "delta":
+            produced[entry.get("i", 0)] = entry["n"]
+    return sum(produced.values())
+
+
+def end_abandoned(client, facts, verdict, ran):
+    """End a request that will not run (more) here: billed from its log, the prompt once a
+    worker had claimed it (it was being read)."""
+    completion = usage_in_log(client, facts.request_id) if ran else 0
+    outcome = unrun(verdict, completion, facts.prompt_tokens if ran else 0)
+    end(client, facts, outcome, usage_source="stream_log" if ran else "engine_ids")
+
+
+def facts_of(client, request_id):
+    """A request's facts from its pending row, else from its metadata; None if both are gone."""
+    row = PendingRequest.objects.filter(request_id=request_id).first()
+    if row is not None:
+        return Facts.of_pending(row)
+    meta = streamlog.load_meta(client, request_id)
+    return Facts.of_meta(request_id, meta) if meta else None
+
+
+def end_from_reader(request_id, verdict, ran):
+    """A reader took the request over (its worker is gone): end it from a web process."""
+    close_old_connections()
+    try:
+        client = streamlog.sync_client()
+        facts = facts_of(client, request_id)
+        if facts is not None:
+            end_abandoned(client, facts, verdict, ran)
+    finally:
+        close_old_connections()
+
+
+SWEEP_SECONDS = 10  # how often each worker looks for requests nobody will end (one indexed query)
+SWEEP_AFTER = 30  # a pending row this old has its state in Redis, unless Redis lost it (admission writes both at once)
+
+
+def sweep(client, limit=500):
+    """End what nobody else will: requests whose state Redis lost (a restart, with the broker's
+    queue), whose worker died with nobody reading, or whose deadline passed."""
+    cutoff = timezone.now() - timedelta(seconds=SWEEP_AFTER)
+    rows = list(PendingRequest.objects.filter(keyspace=streamlog.keyspace(), created_at__lt=cutoff).order_by("id")[:limit])
+    if not rows:
+        return 0
+    with client.pipeline(transaction=False) as pipe:
+        for row in rows:
+            pipe.get(state_key(row.request_id)).hmget(streamlog.key(row.request_id, "meta"), "worker", "deadline")
+        replies = pipe.execute()
+    beats = streamlog.workers(client)
+    ended = 0
+    for row, state, (worker, deadline) in zip(rows, replies[::2], replies[1::2]):
+        verdict = stale(row.model, state, worker, deadline, beats)
+        if verdict and (state in (ENDING, ENDED) or take_over(client, row.request_id, state)):
+            end_abandoned(client, Facts.of_pending(row), verdict, ran=holder(state) is not None)
+            ended += 1
+    return ended
+
+
+def stale(model, state, worker, deadline, beats):
+    """Why a pending request will not end by itself, or None while it may."""
+    if state is None:
+        return "lost"
+    if state in (ENDING, ENDED):
+        return "orphaned"  # its ender stopped before the ledger had it: end it again
+    if holder(state) or worker:
+        return None if streamlog.beating(beats, holder(state) or worker, model) else "orphaned"
+    if deadline and time.time() > float(deadline):
+        return "expired"
+    return None

@@ -1,0 +1,32 @@
+"""More streams than a worker decodes at once: the queued ones wait longer than the keep-alive
+interval, and every one of them still ends, whole."""
+
+import pytest
+from django.conf import settings
+
+from tests.faults.conftest import holds_back, queue_empty, rows_for
+from tests.faults.streams import body, record_many, whole
+
+pytestmark = pytest.mark.django_db(transaction=True)
+QUESTIONS = ["Name a fruit.", "Name a colour.", "Name a planet.", "Name a tree.", "Say hello.", "Count to five."]
+
+
+def test_it_ends_all_48_concurrent_streams_whole(live_service, budgeted, redis_client):
+    _, key, budget = budgeted
+    # Each runs to its max_tokens (the end-of-turn tokens banned), so later ones must queue.
+    no_end = {str(token): -100 for token in (0, 1, 2)}
+    payloads = [body(QUESTIONS[n % len(QUESTIONS)], max_tokens=64, logit_bias=no_end) for n in range(48)]
+    streams = record_many(live_service.url, key, payloads)
+
+    assert [s.failure for s in streams if not s.done] == []
+    assert all(s.status == 200 and s.done and s.error is None for s in streams)
+    waited = [s for s in streams if s.first_text_at - s.started > settings.TOKSTREAM_KEEPALIVE_SECONDS + 1]
+    assert len(waited) >= 8, "the test needs streams that wait longer than the keep-alive interval"
+    assert all(s.keepalives_before_text >= 1 for s in waited)
+    assert max(s.queue_position for s in streams) >= 24  # queued ones were told where they wait
+    for n in range(len(QUESTIONS)):  # a sample: what the queued streams got is what one alone gets
+        assert streams[-1 - n].text == whole(live_service.url, key, payloads[-1 - n])
+    rows = rows_for([s.request_id for s in streams], seconds=30)
+    assert all(len(found) == 1 for found in rows.values())
+    assert all(found[0].completion_tokens == s.usage["completion_tokens"] for s, found in zip(streams, rows.values()))
+    assert holds_back(budget) and queue_empty(redis_client)
