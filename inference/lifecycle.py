@@ -92,7 +92,7 @@ def claim(client, request_id, model, worker_id):
     """'claimed' (run it), 'running' (a live worker has it: a duplicate), 'ended', or why it
     must end unrun: 'cancelled', 'expired', 'lost', 'orphaned' (its worker died)."""
     keys = [state_key(request_id), streamlog.key(request_id, "cancel"), streamlog.key(request_id, "meta"), limits.queue_key(model), streamlog.workers_key()]
-    return client.eval(CLAIM, len(keys), *keys, worker_id, time.time(), request_id, model)
+    return retrying(lambda: client.eval(CLAIM, len(keys), *keys, worker_id, time.time(), request_id, model))
 
 
 def reserve(client, request_id, worker_id):
@@ -204,18 +204,27 @@ def end_entry(finish_reasons, outcome):
     return end
 
 
-def publish_end(client, request_id, entry, attempts=5):
-    """The end entry and the state "ended" in one step, unless another ender was first; tried
-    again for a few seconds, so a Redis restart does not swallow it."""
+def publish_end(client, request_id, entry):
+    """The end entry and the state "ended" in one step, unless another ender was first."""
     keys = [streamlog.key(request_id, "log"), state_key(request_id), streamlog.key(request_id, "meta")]
+    try:
+        return retrying(lambda: client.eval(FINISH, len(keys), *keys, json.dumps(entry), settings.TOKSTREAM_LOG_MAXLEN, settings.TOKSTREAM_LOG_TTL))
+    except Exception:  # its readers end on their own once Redis is back (the state is gone)
+        log.error("the end of request %s could not be logged", request_id, exc_info=True)
+        return 0
+
+
+def retrying(call, attempts=5, pause=1.0):
+    """`call()`, tried again for a few seconds: a Redis restart must not cost a request its
+    claim or its end."""
     for attempt in range(attempts):
         try:
-            return client.eval(FINISH, len(keys), *keys, json.dumps(entry), settings.TOKSTREAM_LOG_MAXLEN, settings.TOKSTREAM_LOG_TTL)
+            return call()
         except Exception:
             if attempt == attempts - 1:
-                log.error("the end of request %s could not be logged", request_id, exc_info=True)
-                return 0
-            time.sleep(1)
+                raise
+            log.warning("a Redis call failed; trying again", exc_info=True)
+            time.sleep(pause)
 
 
 def after_end(client, facts, outcome, gaps):

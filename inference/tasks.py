@@ -13,7 +13,7 @@ from celery import shared_task
 from . import lifecycle, streamlog, upstream
 from .engine import SamplingParams, choices
 from .tools import ToolCallParser
-from .worker import engine_loop
+from .worker import LOST_CLAIM, engine_loop
 
 log = logging.getLogger(__name__)
 DRAIN_SECONDS = 30
@@ -191,6 +191,7 @@ def outcome_of(requests):
         prompt_tokens=prompt_tokens(requests),
         completion_tokens=sum(len(r.output_ids) for r in requests),
         error=errors[0] if errors else "",
+        code="request_lost" if LOST_CLAIM in errors else None,
         started_at=earliest(r.started_at for r in requests),
         first_token_at=earliest(r.first_token_at for r in requests),
         finished_at=max((r.finished_at or time.time()) for r in requests),

@@ -17,6 +17,7 @@ class Stream:
     keepalives: int = 0
     keepalives_before_text: int = 0
     started: float = 0.0
+    opened_at: float | None = None  # the first event: the request was admitted
     first_text_at: float | None = None
     ended_at: float | None = None
     failure: str = ""  # how the client's read failed, if it did
@@ -93,6 +94,7 @@ def read(response, stream, read_delay):
 
     for event in events(response, on_comment=keepalive):
         stream.events.append(event)
+        stream.opened_at = stream.opened_at or time.monotonic()
         if stream.first_text_at is None and stream.text:
             stream.first_text_at = time.monotonic()
         if read_delay:

@@ -19,16 +19,16 @@ def long_prompt(tokenizer, words, tokens):
 
 
 def test_keepalives_flow_while_long_prompts_are_prefilled(live_service, api_key, tokenizer):
-    # Three at once, near the model's context, so that prefills outlast the keep-alive
-    # interval on faster machines too.
+    # Three at once, so that the later ones' prefills outlast the keep-alive interval on
+    # faster machines too.
     texts = ["The tea plantations were green and wet in the morning. ", "A red kite circled over the old mill. ", "Snow fell on the quiet harbour town. "]
-    payloads = [body(long_prompt(tokenizer, text, 8000), max_tokens=8) for text in texts]
+    payloads = [body(long_prompt(tokenizer, text, 7000), max_tokens=8) for text in texts]
     streams = record_many(live_service.url, api_key, payloads)
-    waits = [stream.first_text_at - stream.started for stream in streams if stream.first_text_at]
-    assert sum(w > settings.TOKSTREAM_KEEPALIVE_SECONDS for w in waits) >= 2, f"prefills took {waits} s: the test needs longer prompts here"
+    waits = [stream.first_text_at - stream.opened_at for stream in streams if stream.first_text_at]
+    assert max(waits) > settings.TOKSTREAM_KEEPALIVE_SECONDS + 1, f"prefills took {waits} s: the test needs longer prompts here"
     for stream in streams:
         assert stream.done and stream.error is None, stream.failure
-        waited = stream.first_text_at - stream.started
+        waited = stream.first_text_at - stream.opened_at
         assert stream.keepalives_before_text >= int(waited // settings.TOKSTREAM_KEEPALIVE_SECONDS) - 1
         [row] = rows_for([stream.request_id], seconds=30)[stream.request_id]
-        assert row.prompt_tokens == stream.usage["prompt_tokens"] > 7000 and row.completion_tokens == stream.usage["completion_tokens"]
+        assert row.prompt_tokens == stream.usage["prompt_tokens"] > 6000 and row.completion_tokens == stream.usage["completion_tokens"]

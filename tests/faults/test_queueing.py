@@ -19,14 +19,15 @@ def test_it_ends_all_48_concurrent_streams_whole(live_service, budgeted, redis_c
     streams = record_many(live_service.url, key, payloads)
 
     assert [s.failure for s in streams if not s.done] == []
-    assert all(s.status == 200 and s.done and s.error is None for s in streams)
-    waited = [s for s in streams if s.first_text_at - s.started > settings.TOKSTREAM_KEEPALIVE_SECONDS + 1]
+    assert [s.error for s in streams if s.error] == []
+    assert all(s.status == 200 and s.done for s in streams)
+    waited = [s for s in streams if s.first_text_at - s.opened_at > settings.TOKSTREAM_KEEPALIVE_SECONDS + 1]
     assert len(waited) >= 8, "the test needs streams that wait longer than the keep-alive interval"
-    assert all(s.keepalives_before_text >= 1 for s in waited)
+    assert [s.keepalives_before_text for s in waited if s.keepalives_before_text < 1] == []
     assert max(s.queue_position for s in streams) >= 24  # queued ones were told where they wait
     for n in range(len(QUESTIONS)):  # a sample: what the queued streams got is what one alone gets
         assert streams[-1 - n].text == whole(live_service.url, key, payloads[-1 - n])
     rows = rows_for([s.request_id for s in streams], seconds=30)
     assert all(len(found) == 1 for found in rows.values())
-    assert all(found[0].completion_tokens == s.usage["completion_tokens"] for s, found in zip(streams, rows.values()))
+    assert [(found[0].completion_tokens, s.usage) for s, found in zip(streams, rows.values()) if found[0].completion_tokens != s.usage["completion_tokens"]] == []
     assert holds_back(budget) and queue_empty(redis_client)
