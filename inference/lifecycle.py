@@ -12,6 +12,7 @@ through `end`, and a second ender finds the ledger row and the "ended" state and
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -39,9 +40,12 @@ local state = redis.call('GET', KEYS[1])
 if not state then return 'lost' end
 if state == 'ended' or state == 'ending' then return 'ended' end
 if string.sub(state, 1, 8) == 'running ' then
+  -- this very claim, tried again after its reply was lost
+  if redis.call('HGET', KEYS[3], 'claim') == ARGV[5] then return 'claimed' end
   local beat = redis.call('HGET', KEYS[5], string.sub(state, 9) .. ':' .. ARGV[4])
   if beat and cjson.decode(beat)['until'] >= tonumber(ARGV[2]) then return 'running' end
   redis.call('SET', KEYS[1], 'ending', 'KEEPTTL')
+  redis.call('HSET', KEYS[3], 'ending_at', ARGV[2])
   return 'orphaned'
 end
 local verdict = 'claimed'
@@ -51,10 +55,11 @@ elseif deadline and tonumber(ARGV[2]) > tonumber(deadline) then verdict = 'expir
 redis.call('ZREM', KEYS[4], ARGV[3])
 if verdict ~= 'claimed' then
   redis.call('SET', KEYS[1], 'ending', 'KEEPTTL')
+  redis.call('HSET', KEYS[3], 'ending_at', ARGV[2])
   return verdict
 end
 redis.call('SET', KEYS[1], 'running ' .. ARGV[1], 'KEEPTTL')
-redis.call('HSET', KEYS[3], 'worker', ARGV[1])
+redis.call('HSET', KEYS[3], 'worker', ARGV[1], 'claim', ARGV[5], 'ran', '1')
 return verdict
 """
 
@@ -71,6 +76,7 @@ if ARGV[1] == '' then
 end
 if state ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], 'ending', 'KEEPTTL')
+redis.call('HSET', KEYS[2], 'ending_at', ARGV[3])
 return 1
 """
 
@@ -90,9 +96,11 @@ def state_key(request_id):
 
 def claim(client, request_id, model, worker_id):
     """'claimed' (run it), 'running' (a live worker has it: a duplicate), 'ended', or why it
-    must end unrun: 'cancelled', 'expired', 'lost', 'orphaned' (its worker died)."""
+    must end unrun: 'cancelled', 'expired', 'lost', 'orphaned' (its worker died). The token
+    tells this claim, tried again, from a second delivery."""
     keys = [state_key(request_id), streamlog.key(request_id, "cancel"), streamlog.key(request_id, "meta"), limits.queue_key(model), streamlog.workers_key()]
-    return retrying(lambda: client.eval(CLAIM, len(keys), *keys, worker_id, time.time(), request_id, model))
+    token = uuid.uuid4().hex
+    return retrying(lambda: client.eval(CLAIM, len(keys), *keys, worker_id, time.time(), request_id, model, token))
 
 
 def reserve(client, request_id, worker_id):
@@ -103,7 +111,7 @@ def reserve(client, request_id, worker_id):
 def take_over(client, request_id, observed):
     """Become the one who ends the request, if its state is still `observed` (None: missing).
     Works with the sync or the asyncio client."""
-    return client.eval(TAKE_OVER, 1, state_key(request_id), observed or "", settings.TOKSTREAM_LOG_TTL)
+    return client.eval(TAKE_OVER, 2, state_key(request_id), streamlog.key(request_id, "meta"), observed or "", settings.TOKSTREAM_LOG_TTL, time.time())
 
 
 def holder(state):
@@ -174,9 +182,9 @@ def unrun(verdict, completion_tokens=0, prompt_tokens=0):
 def end(client, facts, outcome, finish_reasons=None, gaps=(), **ledger_fields):
     """End the request once: its ledger entry (with the hold back), then its end entry."""
     reasons = finish_reasons or [outcome.finish_reason] * facts.n
-    write_ledger(facts, outcome, **ledger_fields)
-    publish_end(client, facts.request_id, end_entry(reasons, outcome))
-    after_end(client, facts, outcome, gaps)
+    wrote = write_ledger(facts, outcome, **ledger_fields)
+    if publish_end(client, facts.request_id, end_entry(reasons, outcome)) or wrote:
+        after_end(client, facts, outcome, gaps)  # the first ender only
 
 
 def write_ledger(facts, outcome, **fields):
@@ -190,8 +198,10 @@ def write_ledger(facts, outcome, **fields):
                 if created:
                     budgets.settle(pending.reservation)
                 pending.delete()
+            return created
     except Exception:  # the client still gets its end; the operator gets the alarm, the sweeper a retry
         log.critical("no ledger entry could be written for request %s", facts.request_id, exc_info=True)
+        return False
 
 
 def end_entry(finish_reasons, outcome):
@@ -265,12 +275,36 @@ def usage_in_log(client, request_id):
     return sum(produced.values())
 
 
-def end_abandoned(client, facts, verdict, ran):
+def end_abandoned(client, facts, verdict):
     """End a request that will not run (more) here: billed from its log, the prompt once a
-    worker had claimed it (it was being read)."""
-    completion = usage_in_log(client, facts.request_id) if ran else 0
-    outcome = unrun(verdict, completion, facts.prompt_tokens if ran else 0)
+    worker had claimed it (it was being read). Should that worker be alive after all, the
+    cancel flag stops it (a relay checks it; an engine checks its claim too)."""
+    ran = client.hget(streamlog.key(facts.request_id, "meta"), "ran") == "1"
+    outcome = unrun(verdict, usage_in_log(client, facts.request_id), facts.prompt_tokens if ran else 0)
+    if ran:
+        streamlog.cancel(client, facts.request_id)
     end(client, facts, outcome, usage_source="stream_log" if ran else "engine_ids")
+
+
+def end_as_logged(client, facts):
+    """A request whose end entry is in its log but whose ledger row was not written (the
+    database failed then): the row, from what the end entry says."""
+    newest = streamlog.read_all(client, facts.request_id)[-1:]
+    end = newest[0][1] if newest and newest[0][1]["t"] == "end" else None
+    if end is None:
+        return end_abandoned(client, facts, "orphaned")
+    usage = end["usage"]
+    outcome = Outcome(worst(end["finish_reasons"]), usage["prompt_tokens"], usage["completion_tokens"], error=end.get("error", ""))
+    write_ledger(facts, outcome, usage_source="stream_log")
+
+
+# The ledger has one status per request: with n > 1, the worst of its choices' endings.
+WORST_FIRST = ("error", "cancelled", "length", "tool_calls", "stop")
+
+
+def worst(finish_reasons):
+    reasons = set(finish_reasons)
+    return next((reason for reason in WORST_FIRST if reason in reasons), "error")
 
 
 def facts_of(client, request_id):
@@ -282,14 +316,14 @@ def facts_of(client, request_id):
     return Facts.of_meta(request_id, meta) if meta else None
 
 
-def end_from_reader(request_id, verdict, ran):
+def end_from_reader(request_id, verdict):
     """A reader took the request over (its worker is gone): end it from a web process."""
     close_old_connections()
     try:
         client = streamlog.sync_client()
         facts = facts_of(client, request_id)
         if facts is not None:
-            end_abandoned(client, facts, verdict, ran)
+            end_abandoned(client, facts, verdict)
     finally:
         close_old_connections()
 
@@ -307,24 +341,28 @@ def sweep(client, limit=500):
         return 0
     with client.pipeline(transaction=False) as pipe:
         for row in rows:
-            pipe.get(state_key(row.request_id)).hmget(streamlog.key(row.request_id, "meta"), "worker", "deadline")
+            pipe.get(state_key(row.request_id)).hmget(streamlog.key(row.request_id, "meta"), "worker", "deadline", "ending_at")
         replies = pipe.execute()
     beats = streamlog.workers(client)
     ended = 0
-    for row, state, (worker, deadline) in zip(rows, replies[::2], replies[1::2]):
-        verdict = stale(row.model, state, worker, deadline, beats)
-        if verdict and (state in (ENDING, ENDED) or take_over(client, row.request_id, state)):
-            end_abandoned(client, Facts.of_pending(row), verdict, ran=holder(state) is not None)
-            ended += 1
+    for row, state, meta in zip(rows, replies[::2], replies[1::2]):
+        verdict = stale(row.model, state, *meta, beats)
+        if verdict == ENDED:
+            end_as_logged(client, Facts.of_pending(row))
+        elif verdict and (state == ENDING or take_over(client, row.request_id, state)):
+            end_abandoned(client, Facts.of_pending(row), verdict)
+        ended += bool(verdict)
     return ended
 
 
-def stale(model, state, worker, deadline, beats):
+def stale(model, state, worker, deadline, ending_at, beats):
     """Why a pending request will not end by itself, or None while it may."""
     if state is None:
         return "lost"
-    if state in (ENDING, ENDED):
-        return "orphaned"  # its ender stopped before the ledger had it: end it again
+    if state == ENDED:
+        return ENDED  # its ledger row failed to be written: write it from its end entry
+    if state == ENDING:  # its ender stopped before the ledger had it: end it again
+        return "orphaned" if time.time() - float(ending_at or 0) > SWEEP_AFTER else None
     if holder(state) or worker:
         return None if streamlog.beating(beats, holder(state) or worker, model) else "orphaned"
     if deadline and time.time() > float(deadline):

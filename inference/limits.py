@@ -5,7 +5,6 @@ import time
 
 from django.conf import settings
 
-from . import streamlog
 from .errors import too_many
 
 # One fixed window a minute. Check both counters, then count, in one atomic step: concurrent
@@ -59,11 +58,3 @@ def join_queue(client, model, request_id):
 
 def leave_queue(client, model, request_id):
     client.zrem(queue_key(model), request_id)
-
-
-def claim(client, request_id, model, worker_id):
-    """A worker took the request: it leaves the queue, and its readers watch that worker."""
-    with client.pipeline(transaction=True) as pipe:
-        pipe.zrem(queue_key(model), request_id)
-        pipe.hset(streamlog.key(request_id, "meta"), "worker", worker_id)
-        pipe.execute()

@@ -118,9 +118,10 @@ async def entries(client, admitted, last_id, on_idle=None):
             batch = await coalesced(client, admitted.request_id, batch)
         if not batch:
             unserved, verdict = await idle_check(client, admitted, unserved)
-            if verdict == lifecycle.ENDED:
+            batch = await streamlog.read_after(client, admitted.request_id, last_id, None) if verdict == lifecycle.ENDED else []
+            if verdict == lifecycle.ENDED and not batch:
                 return  # it ended before the point this reader resumed from
-            if on_idle:
+            if on_idle and not batch:
                 await on_idle()
         for last_id, entry in batch:
             yield last_id, entry
@@ -149,21 +150,21 @@ async def idle_check(client, admitted, unserved):
     holder = lifecycle.holder(state) or worker
     if holder:
         alive = streamlog.beating(beats, holder, admitted.model)
-        await reap_unless(alive, client, request_id, state, "orphaned", ran=state != lifecycle.QUEUED)
+        await reap_unless(alive, client, request_id, state, "orphaned")
         return 0, None
     if deadline and time.time() > float(deadline):
-        await reap_unless(False, client, request_id, state, "expired", ran=False)
+        await reap_unless(False, client, request_id, state, "expired")
         return 0, None
     unserved = 0 if admitted.model in streamlog.served_models(beats) else unserved + 1
-    await reap_unless(unserved < 2, client, request_id, state, "orphaned", ran=False)
+    await reap_unless(unserved < 2, client, request_id, state, "orphaned")
     return unserved, None
 
 
-async def reap_unless(fine, client, request_id, state, verdict, ran):
+async def reap_unless(fine, client, request_id, state, verdict):
     """End the request here, unless it is fine or someone else (its worker) moved first."""
     if not fine and await lifecycle.take_over(client, request_id, state):
         log.warning("request %s ended by its reader: %s", request_id, verdict)
-        await sync_to_async(lifecycle.end_from_reader, thread_sensitive=False)(request_id, verdict, ran)
+        await sync_to_async(lifecycle.end_from_reader, thread_sensitive=False)(request_id, verdict)
 
 
 async def coalesced(client, request_id, batch):

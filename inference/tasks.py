@@ -30,7 +30,7 @@ def generate(request_id, model, prompt_ids, params, received_at, api_key_id=None
         return  # a second delivery: the first is running it, or it is over
     if verdict != "claimed":
         # Its client left, its deadline passed, Redis lost it, or its worker died: never run.
-        return lifecycle.end_abandoned(client, facts, verdict, ran=verdict == "orphaned")
+        return lifecycle.end_abandoned(client, facts, verdict)
     if upstream_body is not None:
         return relay_upstream(client, loop, facts, upstream_body)
     run_locally(client, loop, facts, prompt_ids, params, tools)
@@ -168,13 +168,8 @@ def wait_until_finished(outbox, running):
             pass
 
 
-# The ledger has one status per request: with n > 1, the worst of its choices' endings.
-WORST_FIRST = ("error", "cancelled", "length", "tool_calls", "stop")
-
-
 def finish_reason_of(requests):
-    reasons = {r.finish_reason or "error" for r in requests}
-    return next(reason for reason in WORST_FIRST if reason in reasons)
+    return lifecycle.worst(r.finish_reason or "error" for r in requests)
 
 
 def prompt_tokens(requests):

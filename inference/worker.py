@@ -11,6 +11,7 @@ import queue
 import socket
 import threading
 import time
+import uuid
 
 from django.conf import settings
 
@@ -19,6 +20,7 @@ from .engine import Engine, Request, SamplingParams
 
 log = logging.getLogger(__name__)
 _loops = {}
+BOOT = uuid.uuid4().hex[:8]  # a restarted container may reuse the host name and the pid
 LOST_CLAIM = "The request was taken from this worker (its state was lost or it was ended elsewhere)."
 _loops_lock = threading.Lock()
 
@@ -29,10 +31,11 @@ class EngineLoop(threading.Thread):
         self.model = model
         self.engine = engine
         self.redis = redis_client
-        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{model.device}"  # one engine of the process
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{BOOT}:{model.device}"  # one engine of the process
         self.last_beat = 0.0
         self.outboxes = {}
         self.claimed = set()  # request ids this worker claimed: they must stay claimed to run
+        self.claims_lock = threading.Lock()  # task threads submit while the loop prunes
         self.wake = threading.Event()
         self.stopping = threading.Event()
 
@@ -52,9 +55,10 @@ class EngineLoop(threading.Thread):
         outbox = queue.Queue()
         for request in requests:
             self.outboxes[request.request_id] = outbox
-        if claimed:
-            self.claimed.add(requests[0].group)
-        self.engine.add(*requests)
+        with self.claims_lock:
+            if claimed:
+                self.claimed.add(requests[0].group)
+            self.engine.add(*requests)
         self.wake.set()
         return outbox
 
@@ -82,13 +86,15 @@ class EngineLoop(threading.Thread):
 
     def apply_signals(self):
         # Waiting requests too: one whose client left while it queued is never prefilled.
-        live = self.engine.live_ids()
-        self.claimed &= set(live)
+        with self.claims_lock:
+            live = self.engine.live_ids()
+            self.claimed &= set(live)
+            claimed = list(self.claimed)
         cancelled, steering, states = streamlog.signals_among(self.redis, live)
         for request_id in cancelled:
             self.engine.cancel(request_id)
-        for request_id in self.claimed:
-            if states[request_id] != f"running {self.worker_id}":
+        for request_id in claimed:
+            if states.get(request_id) != f"running {self.worker_id}":
                 # Ended by a reader that thought this worker dead, or lost with Redis: nobody
                 # reads on, and another ending is already written or on its way.
                 self.engine.cancel(request_id, error=LOST_CLAIM)
@@ -138,7 +144,7 @@ class UpstreamBeat(threading.Thread):
         super().__init__(daemon=True, name=f"upstream-{name}")
         self.name_of_model = name
         self.redis = redis_client
-        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:upstream"
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{BOOT}:upstream"
 
     def run(self):
         while True:

@@ -85,3 +85,26 @@ def test_redis_calls_wait_no_longer_than_what_they_wait_for():
     assert streamlog.client_options()["socket_timeout"] == streamlog.CALL_TIMEOUT
     blocking = streamlog.client_options(settings.TOKSTREAM_KEEPALIVE_SECONDS)
     assert blocking["socket_timeout"] == settings.TOKSTREAM_KEEPALIVE_SECONDS + streamlog.BLOCK_MARGIN
+
+
+def test_a_claim_tried_again_after_its_reply_was_lost_still_holds(redis_client, queued):
+    beat(redis_client, "w1", time.time() + 60)
+    keys = [lifecycle.state_key(queued), streamlog.key(queued, "cancel"), streamlog.key(queued, "meta"), "unused-queue", streamlog.workers_key()]
+    again = [redis_client.eval(lifecycle.CLAIM, len(keys), *keys, "w1", time.time(), queued, MODEL, "token-1") for _ in range(2)]
+    assert again == ["claimed", "claimed"]
+    assert claim(redis_client, queued, "w1") == "running"  # another delivery, even to the same worker
+
+
+def test_the_sweeper_leaves_a_fresh_ending_to_its_ender(redis_client):
+    now = time.time()
+    assert lifecycle.stale(MODEL, lifecycle.ENDING, None, None, now - 1, {}) is None
+    assert lifecycle.stale(MODEL, lifecycle.ENDING, None, None, now - lifecycle.SWEEP_AFTER - 1, {}) == "orphaned"
+    assert lifecycle.stale(MODEL, None, None, None, None, {}) == "lost"
+    assert lifecycle.stale(MODEL, lifecycle.ENDED, None, None, None, {}) == lifecycle.ENDED
+    assert lifecycle.stale(MODEL, lifecycle.QUEUED, None, now - 1, None, {}) == "expired"
+    assert lifecycle.stale(MODEL, "running dead", None, now + 60, None, {}) == "orphaned"
+
+
+def test_a_requests_status_is_the_worst_of_its_choices():
+    assert lifecycle.worst(["stop", "length"]) == "length"
+    assert lifecycle.worst(["stop", "error", "cancelled"]) == "error"
