@@ -26,7 +26,7 @@ from . import limits, metrics, streamlog
 from .models import PendingRequest
 
 log = logging.getLogger(__name__)
-QUEUED, ENDING, ENDED, RUNNING = "queued", "ending", "ended", "running "
+ENDING, ENDED, RUNNING = "ending", "ended", "running "
 # Why a request could not run, as its end entry says (and a non-streamed answer's 503).
 CODES = {"expired": "queue_timeout", "lost": "request_lost", "orphaned": "worker_unavailable"}
 MESSAGES = {
@@ -289,8 +289,7 @@ def end_abandoned(client, facts, verdict):
 def end_as_logged(client, facts):
     """A request whose end entry is in its log but whose ledger row was not written (the
     database failed then): the row, from what the end entry says."""
-    newest = streamlog.read_all(client, facts.request_id)[-1:]
-    end = newest[0][1] if newest and newest[0][1]["t"] == "end" else None
+    end = streamlog.end_of(client, facts.request_id)  # the newest entry only, not the whole log
     if end is None:
         return end_abandoned(client, facts, "orphaned")
     usage = end["usage"]

@@ -107,10 +107,14 @@ def read_all(client, request_id):
     return decode_entries(client.xrange(key(request_id, "log")))
 
 
-def has_ended(client, request_id):
-    """True once the request's end entry is in its log (sync client)."""
+def end_of(client, request_id):
+    """The request's end entry, once it is in its log; else None (sync client)."""
     newest = decode_entries(client.xrevrange(key(request_id, "log"), count=1))
-    return bool(newest) and newest[0][1]["t"] == "end"
+    return newest[0][1] if newest and newest[0][1]["t"] == "end" else None
+
+
+def has_ended(client, request_id):
+    return end_of(client, request_id) is not None
 
 
 async def last_entry(client, request_id):

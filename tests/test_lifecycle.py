@@ -101,7 +101,7 @@ def test_the_sweeper_leaves_a_fresh_ending_to_its_ender(redis_client):
     assert lifecycle.stale(MODEL, lifecycle.ENDING, None, None, now - lifecycle.SWEEP_AFTER - 1, {}) == "orphaned"
     assert lifecycle.stale(MODEL, None, None, None, None, {}) == "lost"
     assert lifecycle.stale(MODEL, lifecycle.ENDED, None, None, None, {}) == lifecycle.ENDED
-    assert lifecycle.stale(MODEL, lifecycle.QUEUED, None, now - 1, None, {}) == "expired"
+    assert lifecycle.stale(MODEL, "queued", None, now - 1, None, {}) == "expired"
     assert lifecycle.stale(MODEL, "running dead", None, now + 60, None, {}) == "orphaned"
 
 
