@@ -25,8 +25,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from inference.engine import Engine, Request, SamplingParams  # noqa: E402
-from inference.engine import loader  # noqa: E402
+from inference.worker.engine import (  # noqa: E402
+    Engine,
+    Request,
+    SamplingParams,
+    loader,  # noqa: E402
+)
 
 MODEL = "smollm2-135m-instruct"
 STEP_TOKENS = int(os.environ.get("TOKSTREAM_STEP_TOKENS", "24"))
@@ -109,7 +113,7 @@ def engine_decoding(lm, batch, steps):
 def prefill_budget_ab(lm, batch, tokens):
     """32 arrivals at once, with the prefill budget of a step flat (TOKSTREAM_STEP_TOKENS) and
     scaled with the decode batch (engine.PREFILL_PER_DECODE), alternated in this process."""
-    from inference.engine import engine as engine_module
+    from inference.worker.engine import engine as engine_module
 
     scaled_budget = engine_module.PREFILL_PER_DECODE
     runs = {0: [], scaled_budget: []}

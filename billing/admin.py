@@ -14,9 +14,9 @@ from django.urls import path
 from django.utils import timezone
 from django.utils.safestring import mark_safe
 
-from . import charts, invoices, ledger
-from .models import ApiKey, Budget, Invoice, PriceSheet, UsageEntry
-from .spreadsheet import safe_cell
+from billing import charts, invoices, ledger
+from billing.models import ApiKey, Budget, Invoice, PriceSheet, UsageEntry
+from billing.spreadsheet import safe_cell
 
 
 @admin.register(UsageEntry)

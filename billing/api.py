@@ -23,13 +23,21 @@ from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.plumbing import build_bearer_security_scheme_object
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
-from rest_framework import authentication, exceptions, negotiation, pagination, permissions, renderers, serializers, views
+from rest_framework import (
+    authentication,
+    exceptions,
+    negotiation,
+    pagination,
+    permissions,
+    renderers,
+    serializers,
+    views,
+)
 from rest_framework.response import Response
 
-from inference.errors import ApiError
-
-from .models import ApiKey, UsageEntry
-from .spreadsheet import safe_cell
+from billing.models import ApiKey, UsageEntry
+from billing.spreadsheet import safe_cell
+from inference.protocol.errors import ApiError
 
 EXPORT_CHUNK = 2000
 MAX_ID = 2**63 - 1  # ids are BigAutoField

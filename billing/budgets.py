@@ -8,7 +8,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from .models import Budget, PriceSheet
+from billing.models import Budget, PriceSheet
 
 
 class OverBudget(Exception):

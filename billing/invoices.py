@@ -19,9 +19,9 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Case, F, Q, Sum, When
 
-from . import ledger
-from .models import Invoice, InvoiceLine, UsageEntry
-from .spreadsheet import safe_cell
+from billing import ledger
+from billing.models import Invoice, InvoiceLine, UsageEntry
+from billing.spreadsheet import safe_cell
 
 COUNTS = ("input_tokens", "cached_input_tokens", "output_tokens")
 OURS = {"input_tokens": "prompt_tokens", "cached_input_tokens": "cached_prompt_tokens", "output_tokens": "completion_tokens"}

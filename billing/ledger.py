@@ -5,7 +5,7 @@ from datetime import datetime, timezone
 
 from django.db import IntegrityError, connection, transaction
 
-from .models import PriceSheet, UsageEntry
+from billing.models import PriceSheet, UsageEntry
 
 STATUS_OF_REASON = {
     "stop": UsageEntry.Status.COMPLETED,

@@ -21,9 +21,9 @@ from django.db import close_old_connections, transaction
 from django.utils import timezone
 
 from billing import budgets, ledger
-
-from . import limits, metrics, streamlog
-from .models import PendingRequest
+from inference import metrics, streamlog
+from inference.models import PendingRequest
+from inference.signals import request_finished
 
 log = logging.getLogger(__name__)
 ENDING, ENDED, RUNNING = "ending", "ended", "running "
@@ -98,7 +98,7 @@ def claim(client, request_id, model, worker_id):
     """'claimed' (run it), 'running' (a live worker has it: a duplicate), 'ended', or why it
     must end unrun: 'cancelled', 'expired', 'lost', 'orphaned' (its worker died). The token
     tells this claim, tried again, from a second delivery."""
-    keys = [state_key(request_id), streamlog.key(request_id, "cancel"), streamlog.key(request_id, "meta"), limits.queue_key(model), streamlog.workers_key()]
+    keys = [state_key(request_id), streamlog.key(request_id, "cancel"), streamlog.key(request_id, "meta"), streamlog.queue_key(model), streamlog.workers_key()]
     token = uuid.uuid4().hex
     return retrying(lambda: client.eval(CLAIM, len(keys), *keys, worker_id, time.time(), request_id, model, token))
 
@@ -238,19 +238,25 @@ def retrying(call, attempts=5, pause=1.0):
 
 
 def after_end(client, facts, outcome, gaps):
-    """What may fail without costing the request its end: the queue, the metrics, the chat."""
-    from . import chats  # the chat page's replies sit above the lifecycle
-
+    """What may fail without costing the request its end: the queue, the metrics, and whoever
+    listens for request_finished (the chat page)."""
     steps = [
-        lambda: limits.leave_queue(client, facts.model, facts.request_id),
+        lambda: streamlog.leave_queue(client, facts.model, facts.request_id),
         lambda: record_metrics(client, facts, outcome, gaps),
-        lambda: chats.settle_request(facts.request_id),
+        lambda: announce(facts, outcome),
     ]
     for step in steps:
         try:
             step()
         except Exception:
             log.warning("after the end of request %s", facts.request_id, exc_info=True)
+
+
+def announce(facts, outcome):
+    answers = request_finished.send_robust(sender=Facts, request_id=facts.request_id, model=facts.model, finish_reason=outcome.finish_reason)
+    for receiver, answer in answers:
+        if isinstance(answer, Exception):
+            log.warning("request_finished receiver %s failed for %s", receiver, facts.request_id, exc_info=answer)
 
 
 def record_metrics(client, facts, outcome, gaps):

@@ -10,9 +10,13 @@ import math
 
 from django.conf import settings
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
-from . import streamlog
+from inference import streamlog
 
 HISTOGRAMS = {
     "queue_time_seconds": ("Time from arrival to a worker taking the request.", (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60)),

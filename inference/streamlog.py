@@ -18,8 +18,8 @@ import redis
 import redis.asyncio
 import redis.asyncio.retry
 import redis.retry
-from redis.backoff import ExponentialWithJitterBackoff
 from django.conf import settings
+from redis.backoff import ExponentialWithJitterBackoff
 
 ENTRY_ID = re.compile(r"^\d+-\d+$")
 _async_clients = weakref.WeakKeyDictionary()
@@ -231,3 +231,21 @@ def served_models(beats):
     for beat in live_beats(beats):
         served[beat["model"]] = served.get(beat["model"], 0) + 1
     return served
+
+
+def queue_key(model):
+    return f"{settings.TOKSTREAM_REDIS_PREFIX}:queued:{model}"
+
+
+def join_queue(client, model, request_id):
+    """Place the request in its model's queue; returns its position (0: next)."""
+    now, key = time.time(), queue_key(model)
+    with client.pipeline(transaction=True) as pipe:
+        pipe.zremrangebyscore(key, 0, now - settings.TOKSTREAM_LOG_TTL - 3600)  # lost by a crash
+        pipe.zadd(key, {request_id: now})
+        pipe.zrank(key, request_id)
+        return pipe.execute()[-1]
+
+
+def leave_queue(client, model, request_id):
+    client.zrem(queue_key(model), request_id)

@@ -103,6 +103,6 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def model():
-    from inference import registry
+    from inference.worker import loops
 
-    return registry.load("smollm2-135m-instruct")
+    return loops.load("smollm2-135m-instruct")

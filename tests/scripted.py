@@ -2,7 +2,7 @@
 
 import torch
 
-from inference.engine.kv_cache import BlockPool
+from inference.worker.engine.kv_cache import BlockPool
 
 
 class ScriptedRunner:

@@ -7,7 +7,8 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 
-from inference import chats, streamlog
+from inference import streamlog
+from inference.chat import conversations as chats
 from inference.models import Chat, Turn
 from tests.sse import MODEL
 

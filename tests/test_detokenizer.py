@@ -1,6 +1,6 @@
 """The incremental detokenizer, with the real SmolLM2 tokenizer."""
 
-from inference.engine import IncrementalDetokenizer
+from inference.worker.engine import IncrementalDetokenizer
 
 
 def stream(tokenizer, text, stop=()):

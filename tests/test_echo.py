@@ -1,7 +1,7 @@
 """The echo model: the engine streams back the last user message, token for token."""
 
-from inference.engine import Engine, Request, SamplingParams
-from inference.engine.echo import EchoModel, EchoRunner
+from inference.worker.engine import Engine, Request, SamplingParams
+from inference.worker.engine.echo import EchoModel, EchoRunner
 
 MARKDOWN = "Some **bold** text.\n\n```python\nprint('<b>hi</b>')\n```\n\nDone: é, 漢字, 🎉."
 

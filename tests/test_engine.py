@@ -2,7 +2,13 @@
 
 import pytest
 
-from inference.engine import Engine, Request, RequestStatus, SamplingParams, choices
+from inference.worker.engine import (
+    Engine,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    choices,
+)
 from tests.reference import reference
 from tests.scripted import ScriptedRunner
 

@@ -4,8 +4,9 @@ import asyncio
 
 import pytest
 
-from inference import sse, streamlog
-from inference.admission import Admitted
+from inference import streamlog
+from inference.gateway import sse
+from inference.gateway.admission import Admitted
 
 
 @pytest.fixture
@@ -44,7 +45,7 @@ def test_the_framing_gives_the_openai_sdk_only_whole_events():
     """Keep-alives and the retry hint between events, read by the SDK's own SSE decoder."""
     from openai._streaming import SSEDecoder
 
-    from inference.chunks import sse_frames
+    from inference.protocol.chunks import sse_frames
 
     stream = sse.retry_hint() + sse_frames("1-0", [{"a": 1}]) + sse.KEEPALIVE + sse.KEEPALIVE + sse_frames("2-0", [{"b": 2}], done=True)
     events = list(SSEDecoder().iter_bytes(iter([stream[i : i + 7] for i in range(0, len(stream), 7)])))

@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from billing.models import UsageEntry
-from inference import chat_request, prompt_count, views
-from inference.errors import ApiError
+from inference.gateway import prompt_count, views
+from inference.protocol import chat_request
+from inference.protocol.errors import ApiError
 from tests.sse import MODEL, auth, chat_body, events
 
 SEED = 20240612

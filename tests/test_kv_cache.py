@@ -2,7 +2,8 @@
 
 import torch
 
-from inference.engine.kv_cache import BlockPool, block_hashes
+from inference import backends
+from inference.worker.engine.kv_cache import BLOCK_SIZE, BlockPool, block_hashes
 
 
 def pool(blocks=4):
@@ -60,3 +61,8 @@ def test_eviction_takes_a_cached_chain_from_its_tail():
     assert p.reserve(1)
     p.allocate()  # evicts one cached block
     assert p.lookup(hashes) == blocks[:2]  # the head of the chain is still there
+
+
+def test_admission_rounds_the_cache_as_the_pool_does():
+    # The gateway may not import the engine, so it keeps its own copy of the block size.
+    assert backends.KV_BLOCK_SIZE == BLOCK_SIZE

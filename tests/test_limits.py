@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from billing.models import ApiKey
-from inference import limits
+from inference import streamlog
 from tests.sse import MODEL, auth, chat_body, stream_chat
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def request_keys(redis_client):
     """The keys of every request, and who stands in the model's queue."""
     keys = set(redis_client.scan_iter(match=f"{os.environ['TOKSTREAM_REDIS_PREFIX']}:req:*"))
-    return keys, set(redis_client.zrange(limits.queue_key(MODEL), 0, -1))
+    return keys, set(redis_client.zrange(streamlog.queue_key(MODEL), 0, -1))
 
 
 def post(service, key, body):
@@ -59,7 +59,7 @@ def test_tokens_per_minute_count_the_prompt_and_the_completion_budget(live_servi
 @pytest.fixture
 def waiting(redis_client, settings):
     """Requests that stand in the model's queue ahead of the test's own."""
-    queue = limits.queue_key(MODEL)
+    queue = streamlog.queue_key(MODEL)
 
     def fill(count):
         redis_client.zadd(queue, {f"chatcmpl-ahead-{n}": time.time() - 10 for n in range(count)})

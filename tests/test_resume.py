@@ -7,7 +7,7 @@ import pytest
 
 from billing.models import ApiKey, UsageEntry
 from inference import lifecycle, streamlog
-from inference.admission import Admitted, Owner
+from inference.gateway.admission import Admitted, Owner
 from tests.sse import auth, chat_body, content_of, events, stream_chat
 
 pytestmark = pytest.mark.django_db(transaction=True)

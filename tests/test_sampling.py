@@ -1,6 +1,11 @@
 import torch
 
-from inference.engine.sampling import SamplingParams, make_generator, sample, top_p_filter
+from inference.worker.engine.sampling import (
+    SamplingParams,
+    make_generator,
+    sample,
+    top_p_filter,
+)
 
 
 def test_it_takes_the_most_likely_token_at_temperature_zero():

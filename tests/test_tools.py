@@ -2,8 +2,8 @@
 
 import json
 
-from inference import tools
-from inference.tools import ToolCallParser
+from inference.protocol import tools
+from inference.protocol.tools import ToolCallParser
 
 
 def parse(text, step=1):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from inference import worker
-from inference.engine import Request, SamplingParams
+from inference.worker import loops as worker
+from inference.worker.engine import Request, SamplingParams
 from tests.reference import reference
 from tests.sse import MODEL
 

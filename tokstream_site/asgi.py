@@ -8,21 +8,19 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tokstream_site.settings")
 # itself, so a fresh checkout needs no collectstatic; a proxy in front may serve them instead.
 django_app = ASGIStaticFilesHandler(get_asgi_application())
 
-from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from django.urls import path, re_path  # noqa: E402
+from django.urls import re_path  # noqa: E402
 
-from inference import registry  # noqa: E402
-from inference.sse import ChatCompletions, CompletionEvents  # noqa: E402
+from inference import backends  # noqa: E402
+from inference.gateway.routing import streaming_routes  # noqa: E402
 
-registry.warm_tokenizers()
+backends.warm_tokenizers()
 
 application = ProtocolTypeRouter(
     {
         "http": URLRouter(
             [
-                path("v1/chat/completions", ChatCompletions()),
-                path("v1/chat/completions/<str:request_id>/events", AuthMiddlewareStack(CompletionEvents())),
+                *streaming_routes,
                 re_path(r"", django_app),
             ]
         ),

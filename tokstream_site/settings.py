@@ -5,7 +5,15 @@ from urllib.parse import urlparse
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from .env import env_bool, env_choice, env_int, env_json, env_list, env_str, local_secret_key
+from tokstream_site.env import (
+    env_bool,
+    env_choice,
+    env_int,
+    env_json,
+    env_list,
+    env_str,
+    local_secret_key,
+)
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 CACHE_DIR = Path(env_str("TOKSTREAM_CACHE_DIR", str(BASE_DIR / ".cache")))

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from billing.models import ApiKey, Budget, UsageEntry
-from inference import limits
+from inference.gateway import limits
 from tests.sse import MODEL
 
 

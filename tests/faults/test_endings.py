@@ -7,10 +7,12 @@ import time
 import pytest
 
 from billing.models import UsageEntry
-from inference import streamlog, tasks, worker
-from inference.admission import Admitted, Owner
-from inference.chunks import ChunkWriter
+from inference import streamlog
+from inference.gateway.admission import Admitted, Owner
 from inference.models import PendingRequest
+from inference.protocol.chunks import ChunkWriter
+from inference.worker import loops as worker
+from inference.worker import tasks
 from tests.conftest import separate_service
 from tests.faults.conftest import holds_back, rows_for
 from tests.faults.streams import body, record

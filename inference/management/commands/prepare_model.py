@@ -2,7 +2,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from tqdm import tqdm
 
-from inference.engine import loader
+from inference import model_files
 
 
 class Command(BaseCommand):
@@ -25,19 +25,19 @@ class Command(BaseCommand):
         if not source.startswith("package:"):
             self.stdout.write(f"{name}: served from {source} as it is")
             return
-        folder = loader.cache_folder(settings.TOKSTREAM_MODEL_CACHE, name)
-        if loader.is_prepared(folder) and not force:
+        folder = model_files.cache_folder(settings.TOKSTREAM_MODEL_CACHE, name)
+        if model_files.is_prepared(folder) and not force:
             self.stdout.write(f"{name}: already prepared")
             return
         try:
-            gguf = loader.package_file(source)
+            gguf = model_files.package_file(source)
         except FileNotFoundError as exc:
             raise CommandError(str(exc)) from None
-        with tqdm(total=len(loader.CONVERT_STEPS), desc=f"{name}: converting {gguf.name}", unit="step") as bar:
+        with tqdm(total=len(model_files.CONVERT_STEPS), desc=f"{name}: converting {gguf.name}", unit="step") as bar:
 
             def advance(step):
                 bar.set_postfix_str(step)
                 bar.update(1)
 
-            loader.convert_gguf(gguf, folder, progress=advance)
+            model_files.convert_gguf(gguf, folder, progress=advance)
         self.stdout.write(self.style.SUCCESS(f"{name}: prepared"))

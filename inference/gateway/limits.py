@@ -1,11 +1,13 @@
 """Admission limits kept in Redis, so every web process sees the same counts: per-key rates
-(requests and tokens per minute) and a bounded queue per model."""
+(requests and tokens per minute) and a bounded queue per model (the queue itself:
+inference/streamlog.py)."""
 
 import time
 
 from django.conf import settings
 
-from .errors import too_many
+from inference import streamlog
+from inference.protocol.errors import too_many
 
 # One fixed window a minute. Check both counters, then count, in one atomic step: concurrent
 # requests cannot all slip under the limit.
@@ -36,25 +38,12 @@ def check_rate(client, owner, tokens):
         raise too_many(message, 60 - now % 60, type=what, code="rate_limit_exceeded")
 
 
-def queue_key(model):
-    return f"{settings.TOKSTREAM_REDIS_PREFIX}:queued:{model}"
-
-
 def join_queue(client, model, request_id):
     """Place the request in its model's queue; returns its position (0: next), or refuses it
     when TOKSTREAM_MAX_QUEUED requests already wait."""
-    now, key = time.time(), queue_key(model)
-    with client.pipeline(transaction=True) as pipe:
-        pipe.zremrangebyscore(key, 0, now - settings.TOKSTREAM_LOG_TTL - 3600)  # lost by a crash
-        pipe.zadd(key, {request_id: now})
-        pipe.zrank(key, request_id)
-        position = pipe.execute()[-1]
+    position = streamlog.join_queue(client, model, request_id)
     if position >= settings.TOKSTREAM_MAX_QUEUED:
-        leave_queue(client, model, request_id)
+        streamlog.leave_queue(client, model, request_id)
         message = f"{position} requests for `{model}` are already waiting; try again shortly."
         raise too_many(message, 2, type="server_error", code="server_overloaded")
     return position
-
-
-def leave_queue(client, model, request_id):
-    client.zrem(queue_key(model), request_id)

@@ -17,11 +17,24 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from billing.models import ApiKey
-
-from . import chat_request, lifecycle, streamlog
-from .admission import Admitted, Owner, admit, owned_meta
-from .chunks import ChunkWriter, completion, resume_point, sse_frames, unnumbered_frames, valid_event_id
-from .errors import ApiError, forbidden, invalid, too_large, unauthorized
+from inference import lifecycle, streamlog
+from inference.gateway.admission import Admitted, Owner, admit, owned_meta
+from inference.protocol import chat_request
+from inference.protocol.chunks import (
+    ChunkWriter,
+    completion,
+    resume_point,
+    sse_frames,
+    unnumbered_frames,
+    valid_event_id,
+)
+from inference.protocol.errors import (
+    ApiError,
+    forbidden,
+    invalid,
+    too_large,
+    unauthorized,
+)
 
 log = logging.getLogger(__name__)
 

@@ -1,17 +1,16 @@
 """Count a chat request without running it: its exact prompt tokens (the ids the model would
 read, as admission counts them) and what it would cost at the price sheet in force."""
 
-import functools
 import time
 
 from django.conf import settings
 from django.utils import timezone
 
 from billing.models import PriceSheet
-
-from . import chat_request, registry, upstream
-from .admission import prompt_of, room_for
-from .chat_request import checked_max_tokens
+from inference import backends
+from inference.gateway.admission import prompt_of, room_for
+from inference.protocol import chat_request
+from inference.protocol.chat_request import checked_max_tokens
 
 
 def tokenize(body, content_type):
@@ -22,22 +21,12 @@ def tokenize(body, content_type):
     return {
         "object": "tokenize",
         "model": chat.model,
-        "tokenizer": tokenizer_id(chat.model),
+        "tokenizer": backends.of(chat.model).tokenizer_id(),
         "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens,
         "estimated_cost": estimate(chat.model, prompt_tokens, max_tokens * chat.n),
         "created": int(time.time()),
     }
-
-
-@functools.cache
-def tokenizer_id(model):
-    """As the ledger will name it (hashing the tokenizer's files once per process)."""
-    from .engine import loader
-
-    if registry.is_upstream(model):
-        return upstream.tokenizer_id(model)
-    return f"{model}:{loader.tokenizer_identity(registry.folder(model))}"
 
 
 def estimate(model, prompt_tokens, completion_budget):

@@ -7,11 +7,12 @@ import logging
 from django.db import transaction
 
 from billing.models import UsageEntry
-
-from . import chat_request, chunks, prompt_count, streamlog
-from .admission import Owner, admit
-from .errors import ApiError, invalid
-from .models import TITLE_CHARS, Chat, Turn
+from inference import streamlog
+from inference.gateway import prompt_count
+from inference.gateway.admission import Owner, admit
+from inference.models import TITLE_CHARS, Chat, Turn
+from inference.protocol import chat_request, chunks
+from inference.protocol.errors import ApiError, invalid
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_CHARS = 32000

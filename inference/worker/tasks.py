@@ -5,15 +5,18 @@ so no client is left waiting.
 """
 
 import logging
+import os
 import queue
 import time
 
 from celery import shared_task
+from celery.signals import task_received, worker_ready
 
-from . import lifecycle, streamlog, upstream
-from .engine import SamplingParams, choices
-from .tools import ToolCallParser
-from .worker import LOST_CLAIM, engine_loop
+from inference import lifecycle, registry, streamlog
+from inference.protocol.tools import ToolCallParser
+from inference.worker.engine import SamplingParams, choices
+from inference.worker.loops import LOST_CLAIM, Sweeper, engine_loop, reserve
+from inference.worker.relay import Relay
 
 log = logging.getLogger(__name__)
 DRAIN_SECONDS = 30
@@ -55,7 +58,7 @@ def run_locally(client, loop, facts, prompt_ids, params, tools):
 
 def relay_upstream(client, loop, facts, body):
     """A request for an upstream model: its stream relayed into the log, counted by us."""
-    relay, started_at = upstream.Relay(facts.model, facts.request_id), time.time()
+    relay, started_at = Relay(facts.model, facts.request_id), time.time()
     try:
         relay.run(client, body)
     except Exception as exc:
@@ -212,8 +215,8 @@ def upstream_fields(model, relay, outcome):
     vendor = relay.vendor_usage or {}
     cached = (vendor.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {
-        "model_served": upstream.entry(model)["upstream_model"],
-        "tokenizer": upstream.tokenizer_id(model),
+        "model_served": relay.backend.served_model,
+        "tokenizer": relay.backend.tokenizer_id(),
         "cached_prompt_tokens": min(cached, outcome.prompt_tokens),
         "usage_source": "upstream_counted",
         "vendor_request_id": relay.vendor_id,
@@ -221,3 +224,26 @@ def upstream_fields(model, relay, outcome):
         "vendor_cached_prompt_tokens": cached if vendor else None,
         "vendor_completion_tokens": vendor.get("completion_tokens"),
     }
+
+
+@worker_ready.connect
+def load_models(**kwargs):
+    # Load every model before the first task arrives, once per worker process (threads pool).
+    # Celery logs and swallows a signal handler's exception; a worker without its model must
+    # not stay up taking tasks, so it exits.
+    try:
+        for name in registry.names():
+            engine_loop(name)
+    except Exception:
+        log.critical("the worker could not load its models", exc_info=True)
+        os._exit(3)
+    Sweeper().start()
+
+
+@task_received.connect
+def reserve_request(request=None, **kwargs):
+    # Prefetched, not yet running: should this worker die, the request's readers must know.
+    try:
+        reserve(request.kwargs["request_id"], request.kwargs["model"])
+    except Exception:  # the request still runs; its readers just learn less
+        log.warning("could not mark a prefetched request", exc_info=True)

@@ -9,11 +9,13 @@ from django.http import JsonResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
-from . import chat_request, chats, registry
-from .admission import Owner, admit
-from .errors import ApiError, invalid, not_found, too_large
-from .models import Chat
-from .views import cancel, error_response, steer, steering_text
+from inference import registry
+from inference.chat import conversations as chats
+from inference.gateway.admission import Owner, admit
+from inference.gateway.views import cancel, error_response, steer, steering_text
+from inference.models import Chat
+from inference.protocol import chat_request
+from inference.protocol.errors import ApiError, invalid, not_found, too_large
 
 # The page runs only its own script: model output that slipped through the sanitizer still
 # could not run, load a remote image or send anything anywhere.

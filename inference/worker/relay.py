@@ -1,11 +1,5 @@
-"""Models served by an OpenAI-compatible upstream: counting their tokens as the vendor bills
-them, and the worker's relay of the upstream stream into the request's log.
-
-A registry entry: {"source": "openai-compatible", "base_url": ".../v1", "api_key_env": NAME,
-"upstream_model": NAME, "tokenizer": T, "context_length": N}, where T is a tiktoken encoding
-(`o200k_base`, `cl100k_base`) or the name of a registered local model whose tokenizer and chat
-template the upstream uses.
-"""
+"""The worker's relay of an upstream model's stream into the request's log (how an upstream
+is counted and what it is sent: inference/backends.py)."""
 
 import json
 import os
@@ -13,80 +7,12 @@ import threading
 import time
 
 import httpx
-from django.conf import settings
 
-from billing import counting, ledger, tiktoken_offline
+from billing import ledger
+from inference import backends, streamlog
 
-from . import registry, streamlog, tools
-from .errors import ApiError, invalid
-
-DEFAULT_CONTEXT = 131072
 READ_TIMEOUT = 120.0  # seconds without a byte from the upstream; an entry's "timeout_seconds" overrides it
 CANCEL_CHECK_SECONDS = 0.25
-# What a relayed request may carry; everything else our parser accepts is refused, by name.
-NOT_RELAYED = {"n": 1, "beam_width": 1, "logprobs": False, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
-
-
-def entry(model):
-    return settings.TOKSTREAM_MODELS[model]
-
-
-def tokenizer_id(model):
-    return entry(model)["tokenizer"] if registry.uses_tiktoken(model) else f"{model}:{entry(model)['tokenizer']}"
-
-
-def context_length(model):
-    return int(entry(model).get("context_length", DEFAULT_CONTEXT))
-
-
-# -- counting -------------------------------------------------------------------------------
-
-
-def count_prompt(chat):
-    """Prompt tokens as the upstream bills them: OpenAI's message framing and tool overhead
-    for a tiktoken family, else the local model's chat template, as that model reads it."""
-    name = entry(chat.model)["tokenizer"]
-    if registry.uses_tiktoken(chat.model):
-        try:
-            return counting.chat_prompt_tokens([plain(m) for m in chat.original_messages], name, chat.tools)
-        except tiktoken_offline.EncodingUnavailable as exc:
-            raise ApiError(503, f"The tokenizer of `{chat.model}` is not available: {exc}", type="server_error") from None
-    turns = tools.render(chat.messages, chat.tools)
-    return len(registry.tokenizer(name).apply_chat_template(turns, add_generation_prompt=True, tokenize=True))
-
-
-def plain(message):
-    """A message as text fields only (what the counting rules count)."""
-    return {key: value if isinstance(value, str) else json.dumps(value) for key, value in message.items() if value is not None}
-
-
-def count_completion(model, text, finish_reason):
-    """Tokens of the relayed text; a local chat model also produced its end-of-turn token."""
-    name = entry(model)["tokenizer"]
-    if registry.uses_tiktoken(model):
-        return counting.text_tokens(text, name)
-    ids = registry.tokenizer(name).encode(text, add_special_tokens=False)
-    return len(ids) + (finish_reason == "stop")
-
-
-def check(chat):
-    for name, default in NOT_RELAYED.items():
-        value = chat.n if name == "n" else chat.sampling.get(name, default)
-        if value != default:
-            raise invalid(f"`{name}` is not supported for the upstream model `{chat.model}`.", param=name)
-
-
-def request_body(chat, max_tokens):
-    """What the worker sends upstream: our request, in the upstream's name, always streamed
-    with the usage at the end."""
-    sampling = {k: v for k, v in chat.sampling.items() if k in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop", "logit_bias")}
-    body = {**{k: v for k, v in sampling.items() if v not in (None, [], {})}, "messages": chat.original_messages, "max_tokens": max_tokens}
-    if chat.tools:
-        body["tools"] = chat.tools
-    return {**body, "model": entry(chat.model)["upstream_model"], "stream": True, "stream_options": {"include_usage": True}}
-
-
-# -- the relay (in the worker) ------------------------------------------------------------------
 
 
 class Relay:
@@ -94,6 +20,7 @@ class Relay:
 
     def __init__(self, model, request_id):
         self.model, self.request_id = model, request_id
+        self.backend = backends.of(model)
         self.text, self.call_text = [], []
         self.sent = False  # the upstream took the request: from then on its prompt is billed
         self.counted = 0  # completion tokens so far, delta by delta (the end count is exact)
@@ -104,14 +31,14 @@ class Relay:
         self.calls = set()
 
     def run(self, client, body):
-        url = entry(self.model)["base_url"].rstrip("/") + "/chat/completions"
-        key = os.environ.get(entry(self.model).get("api_key_env") or "", "")
+        url = self.backend.entry["base_url"].rstrip("/") + "/chat/completions"
+        key = os.environ.get(self.backend.entry.get("api_key_env") or "", "")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         if client.exists(streamlog.key(self.request_id, "cancel")):
             self.finish_reason = "cancelled"  # cancelled while it queued: never sent
             return
         try:
-            timeout = httpx.Timeout(10.0, read=float(entry(self.model).get("timeout_seconds", READ_TIMEOUT)))
+            timeout = httpx.Timeout(10.0, read=float(self.backend.entry.get("timeout_seconds", READ_TIMEOUT)))
             with httpx.Client(timeout=timeout) as http, http.stream("POST", url, json=body, headers=headers) as response:
                 if response.status_code != 200:
                     return self.fail(f"the upstream answered {response.status_code}: {upstream_message(response)}")
@@ -188,11 +115,11 @@ class Relay:
     def count(self, text):
         """The usage so far for continuous usage stats: delta by delta (a token split across
         two deltas counts twice until the end's exact count)."""
-        self.counted += count_completion(self.model, text, None)
+        self.counted += self.backend.count_completion(text, None)
         return self.counted
 
     def completion_tokens(self):
-        return count_completion(self.model, "".join(self.text + self.call_text), self.finish_reason)
+        return self.backend.count_completion("".join(self.text + self.call_text), self.finish_reason)
 
 
 def upstream_message(response):

@@ -15,8 +15,8 @@ import uuid
 
 from django.conf import settings
 
-from . import registry, streamlog
-from .engine import Engine, Request, SamplingParams
+from inference import backends, registry, streamlog
+from inference.worker.engine import Engine, Request, SamplingParams, loader
 
 log = logging.getLogger(__name__)
 _loops = {}
@@ -161,17 +161,30 @@ class UpstreamBeat(threading.Thread):
 def start_loops(name):
     """One engine per device (every GPU, with TOKSTREAM_DEVICE=auto): a model small enough
     for one GPU serves from all of them."""
-    if registry.is_upstream(name):
+    placement = backends.of(name).engine_devices
+    if placement is None:
         beat = UpstreamBeat(name, streamlog.sync_client())
         beat.start()
         return [beat]
     loops = []
-    for device in ["cpu"] if registry.is_echo(name) else registry.devices():
-        lm = registry.load(name, device)
+    for device in ["cpu"] if placement == "cpu" else devices():
+        lm = load(name, device)
         loops.append(EngineLoop(lm, build_engine(lm), streamlog.sync_client()))
         loops[-1].start()
         log.info("model %s loaded on %s", name, lm.device)
     return loops
+
+
+def devices():
+    return loader.pick_devices(settings.TOKSTREAM_DEVICE)
+
+
+def load(name, device=None):
+    """The model on `device` (by default the first of TOKSTREAM_DEVICE's)."""
+    if backends.of(name).engine_devices == "cpu":
+        step_seconds = registry.entry(name).get("step_ms", 0) / 1000
+        return loader.load_echo(name, registry.folder(name), step_seconds)
+    return loader.load(name, registry.folder(name), device or devices()[0], settings.TOKSTREAM_DTYPE)
 
 
 def engine_loop(name):
@@ -191,7 +204,7 @@ class Sweeper(threading.Thread):
     def run(self):
         from django.db import close_old_connections
 
-        from . import lifecycle
+        from inference import lifecycle
 
         while True:
             time.sleep(lifecycle.SWEEP_SECONDS)
@@ -206,7 +219,7 @@ class Sweeper(threading.Thread):
 
 def reserve(request_id, model):
     """A task was prefetched: its readers now watch this worker."""
-    from . import lifecycle
+    from inference import lifecycle
 
     if model in _loops:
         lifecycle.reserve(streamlog.sync_client(), request_id, engine_loop(model).worker_id)

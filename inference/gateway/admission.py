@@ -8,12 +8,14 @@ from django.conf import settings
 from django.db import transaction
 
 from billing import budgets
+from inference import backends, streamlog
+from inference.gateway import limits
+from inference.models import PendingRequest
+from inference.protocol.chat_request import checked_max_tokens
+from inference.protocol.errors import ApiError, not_found
+from tokstream_site.celery import app
 
-from . import limits, registry, streamlog, tools, upstream
-from .chat_request import checked_max_tokens
-from .engine.kv_cache import BLOCK_SIZE
-from .errors import ApiError, not_found
-from .models import PendingRequest
+GENERATE_TASK = "inference.tasks.generate"  # by name: the web process never imports the worker
 
 
 @dataclass(frozen=True)
@@ -71,22 +73,11 @@ def check_served(client, model):
         raise ApiError(503, f"No worker is serving `{model}` right now; try again shortly.", type="server_error", code="model_unavailable")
 
 
-def prompt_ids(chat):
-    try:
-        tokenizer = registry.tokenizer(chat.model)
-    except FileNotFoundError as exc:
-        raise ApiError(503, f"The model `{chat.model}` is not available: {exc}", type="server_error") from None
-    turns = tools.render(chat.messages, chat.tools)
-    return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True))
-
-
 def prompt_of(chat):
     """(the ids the local model will read, or None for an upstream; the prompt tokens billed)."""
-    if registry.is_upstream(chat.model):
-        upstream.check(chat)
-        return None, upstream.count_prompt(chat)
-    ids = prompt_ids(chat)
-    return ids, len(ids)
+    backend = backends.of(chat.model)
+    backend.check(chat)
+    return backend.prompt(chat)
 
 
 def admit(chat, owner):
@@ -111,12 +102,7 @@ def admit(chat, owner):
 
 
 def room_for(chat):
-    """A sequence never holds more than the worker's whole KV cache, whatever the model allows;
-    beams must all fit at once."""
-    if registry.is_upstream(chat.model):
-        return upstream.context_length(chat.model)
-    cache_tokens = settings.TOKSTREAM_KV_CACHE_TOKENS // BLOCK_SIZE * BLOCK_SIZE  # as the pool rounds
-    return min(registry.context_length(chat.model), cache_tokens // chat.sampling["beam_width"])
+    return backends.of(chat.model).room(chat)
 
 
 def hold_budget(owner, admitted, task):
@@ -141,7 +127,7 @@ def task_of(chat, admitted, owner, ids, max_tokens):
         "model": chat.model,
         "prompt_ids": ids or [],
         "prompt_tokens": admitted.prompt_tokens,
-        "upstream_body": None if ids is not None else upstream.request_body(chat, max_tokens),
+        "upstream_body": backends.of(chat.model).upstream_body(chat, max_tokens),
         "params": {"max_tokens": max_tokens, **chat.sampling},
         "n": chat.n,
         "tools": bool(chat.tools),
@@ -152,8 +138,6 @@ def task_of(chat, admitted, owner, ids, max_tokens):
 
 
 def enqueue(client, chat, admitted, owner, task):
-    from .tasks import generate
-
     position = limits.join_queue(client, chat.model, admitted.request_id)
     deadline = admitted.received_at + settings.TOKSTREAM_QUEUE_TIMEOUT
     options = {"include_usage": int(chat.include_usage), "continuous_usage": int(chat.continuous_usage)}
@@ -162,8 +146,8 @@ def enqueue(client, chat, admitted, owner, task):
     opening = {"t": "open", "n": chat.n, "queue_position": position}
     try:
         streamlog.admit(client, admitted.request_id, meta, opening)
-        generate.apply_async(kwargs=task, queue="inference")
+        app.send_task(GENERATE_TASK, kwargs=task, queue="inference")
     except Exception:  # leave nothing half-made
         client.delete(*(streamlog.key(admitted.request_id, kind) for kind in ("meta", "log", "state")))
-        limits.leave_queue(client, chat.model, admitted.request_id)
+        streamlog.leave_queue(client, chat.model, admitted.request_id)
         raise

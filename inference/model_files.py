@@ -1,46 +1,15 @@
-"""Find a model's source, convert a GGUF once into a transformers folder, and load it."""
+"""A model's files on disk, shared by both processes: where a registry entry's folder is,
+the one-time GGUF conversion, its tokenizer, stop tokens and context length. Nothing here
+loads weights (the worker's engine/loader.py does)."""
 
 import hashlib
 import importlib.util
 import json
-from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-
-from .echo import EchoModel
 
 CACHE_MARK = "tokstream.json"
 CONVERT_STEPS = ("tokenizer", "weights", "saved")
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>")
-
-
-@dataclass
-class LoadedModel:
-    name: str
-    model: object
-    tokenizer: object
-    device: torch.device
-    stop_ids: frozenset
-    context_length: int
-    tokenizer_id: str
-
-
-def pick_devices(setting="auto"):
-    """The devices to run engines on, one engine each: `auto` is every CUDA GPU (else the
-    CPU); otherwise a comma-separated list such as `cuda:0,cuda:1`."""
-    if setting != "auto":
-        return [torch.device(name.strip()) for name in setting.split(",")]
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return [torch.device(f"cuda:{i}") for i in range(gpus)] or [torch.device("cpu")]
-
-
-def pick_dtype(device, setting="auto"):
-    if setting != "auto":
-        return getattr(torch, setting)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32  # bf16 is not faster than fp32 on these CPUs (DESIGN.md)
 
 
 def package_file(spec):
@@ -142,37 +111,3 @@ def load_tokenizer(folder):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
-
-
-def load_echo(name, folder, step_seconds):
-    """The echo model (engine/echo.py) speaking through the tokenizer in `folder`."""
-    from transformers import AutoConfig
-
-    tokenizer, config = load_tokenizer(folder), AutoConfig.from_pretrained(folder, local_files_only=True)
-    return LoadedModel(
-        name=name,
-        model=EchoModel.for_tokenizer(tokenizer, step_seconds),
-        tokenizer=tokenizer,
-        device=torch.device("cpu"),
-        stop_ids=frozenset(stop_ids_of(tokenizer, config)),
-        context_length=context_length_of(config),
-        tokenizer_id=f"{name}:{tokenizer_identity(folder)}",
-    )
-
-
-def load(name, folder, device, dtype="auto"):
-    from transformers import AutoModelForCausalLM
-
-    device = torch.device(device)
-    tokenizer = load_tokenizer(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=pick_dtype(device, dtype))
-    model.to(device).eval()
-    return LoadedModel(
-        name=name,
-        model=model,
-        tokenizer=tokenizer,
-        device=device,
-        stop_ids=frozenset(stop_ids_of(tokenizer, model.config)),
-        context_length=context_length_of(model.config),
-        tokenizer_id=f"{name}:{tokenizer_identity(folder)}",
-    )

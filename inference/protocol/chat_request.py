@@ -5,8 +5,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from . import registry
-from .errors import ApiError, invalid, not_found
+from inference import backends, registry
+from inference.protocol.errors import ApiError, invalid, not_found
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_STOP = 4
@@ -210,7 +210,7 @@ def logit_bias_of(data):
     bias = present(data, "logit_bias", {})
     if not isinstance(bias, dict):
         raise invalid("`logit_bias` must map token ids to numbers.", param="logit_bias")
-    vocabulary = registry.vocabulary_size(data["model"]) if bias else 0
+    vocabulary = backends.of(data["model"]).vocabulary_size() if bias else 0
     checked = {}
     for token, value in bias.items():
         if not TOKEN_ID.fullmatch(token) or int(token) >= vocabulary:

@@ -3,7 +3,7 @@
 import json
 import re
 
-from .errors import ApiError
+from inference.protocol.errors import ApiError
 
 
 class ChunkWriter:

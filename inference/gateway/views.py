@@ -13,11 +13,18 @@ from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from billing.models import ApiKey
-
-from . import metrics, prompt_count, registry, streamlog
-from .admission import Owner, owned_meta
-from .chat_request import is_text
-from .errors import ApiError, forbidden, invalid, server_error, too_large, unauthorized
+from inference import backends, metrics, registry, streamlog
+from inference.gateway import prompt_count
+from inference.gateway.admission import Owner, owned_meta
+from inference.protocol.chat_request import is_text
+from inference.protocol.errors import (
+    ApiError,
+    forbidden,
+    invalid,
+    server_error,
+    too_large,
+    unauthorized,
+)
 
 MAX_STEER_CHARS = 8000
 log = logging.getLogger(__name__)
@@ -140,7 +147,7 @@ def cancel(owner, request_id):
 def steer(owner, request_id, text):
     client = streamlog.sync_client()
     meta = owned_meta(streamlog.load_meta(client, request_id), owner, request_id)
-    if registry.is_upstream(meta["model"]):
+    if not backends.of(meta["model"]).steerable:
         raise invalid(f"Steering is not supported for the upstream model `{meta['model']}`: the vendor generates the reply.", param="content")
     if streamlog.has_ended(client, request_id):
         raise ApiError(409, f"Request {request_id!r} has finished: there is nothing left to steer.", code="request_finished")

@@ -1,0 +1,74 @@
+"""The layout holds: no import cycle among the project's modules, and the web process's code
+(the gateway and the chat page) never reaches the worker or the engine, even lazily."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("inference", "billing", "tokstream_site")
+WEB = ("inference.gateway", "inference.chat", "inference.protocol")
+WORKER = "inference.worker"
+
+
+def module_name(path):
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules():
+    modules = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            if "migrations" not in path.parts:
+                modules[module_name(path)] = path
+    return modules
+
+
+def imported(path, name, modules):
+    """Every project module `path` imports, at any depth of its code."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names)
+    return {m for m in found if m in modules and m != name}
+
+
+def import_graph():
+    modules = project_modules()
+    return {name: imported(path, name, modules) for name, path in modules.items()}
+
+
+def reachable(graph, start):
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_no_module_imports_itself_in_a_circle():
+    graph = import_graph()
+    circles = sorted(name for name in graph if name in reachable(graph, name))
+    assert not circles, f"modules in an import cycle: {circles}"
+
+
+def test_the_web_process_never_imports_the_worker():
+    graph = import_graph()
+    for name in graph:
+        if name.startswith(WEB):
+            worker_side = sorted(m for m in reachable(graph, name) if m.startswith(WORKER))
+            assert not worker_side, f"{name} reaches {worker_side}"
+
+
+def test_the_graph_sees_imports_inside_functions():
+    graph = import_graph()  # a check that found nothing would pass for the wrong reason
+    assert "inference.worker.loops" in graph["inference.worker.tasks"]
+    assert "inference.chat.conversations" in graph["inference.chat.receivers"]
