@@ -6,15 +6,16 @@ from datetime import datetime, timezone
 from django.db import IntegrityError, connection, transaction
 
 from billing.models import PriceSheet, UsageEntry
+from inference.protocol.entries import FinishReason
 
 STATUS_OF_REASON = {
-    "stop": UsageEntry.Status.COMPLETED,
-    "length": UsageEntry.Status.LENGTH,
-    "tool_calls": UsageEntry.Status.TOOL_CALLS,
+    FinishReason.STOP: UsageEntry.Status.COMPLETED,
+    FinishReason.LENGTH: UsageEntry.Status.LENGTH,
+    FinishReason.TOOL_CALLS: UsageEntry.Status.TOOL_CALLS,
     "function_call": UsageEntry.Status.TOOL_CALLS,  # an upstream's older name for it
     "content_filter": UsageEntry.Status.COMPLETED,  # an upstream ended it; what it wrote is billed
-    "cancelled": UsageEntry.Status.CANCELLED,
-    "error": UsageEntry.Status.FAILED,
+    FinishReason.CANCELLED: UsageEntry.Status.CANCELLED,
+    FinishReason.ERROR: UsageEntry.Status.FAILED,
 }
 CHAIN_LOCK = 0x70CE5  # the PostgreSQL advisory lock that orders the chain's writers
 

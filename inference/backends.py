@@ -20,6 +20,7 @@ from django.conf import settings
 from billing import counting, tiktoken_offline
 from inference import registry
 from inference.protocol import tools
+from inference.protocol.entries import FinishReason
 from inference.protocol.errors import ApiError, invalid
 
 KV_BLOCK_SIZE = 16  # tokens a KV-cache block holds: the engine's BLOCK_SIZE (tests/test_kv_cache.py checks)
@@ -123,7 +124,7 @@ class UpstreamBackend(LocalBackend):
         if self.tiktoken:
             return counting.text_tokens(text, self.tokenizer_name)
         ids = registry.tokenizer(self.tokenizer_name).encode(text, add_special_tokens=False)
-        return len(ids) + (finish_reason == "stop")
+        return len(ids) + (finish_reason == FinishReason.STOP)
 
     def room(self, chat):
         return int(self.entry.get("context_length", DEFAULT_CONTEXT))

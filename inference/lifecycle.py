@@ -9,7 +9,6 @@ reader that found the worker dead, a worker that finds it unclaimable, or the sw
 through `end`, and a second ender finds the ledger row and the "ended" state and adds nothing.
 """
 
-import json
 import logging
 import time
 import uuid
@@ -23,6 +22,7 @@ from django.utils import timezone
 from billing import budgets, ledger
 from inference import metrics, streamlog
 from inference.models import PendingRequest
+from inference.protocol.entries import Delta, End, FinishReason, encode, usage_of
 from inference.signals import request_finished
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,10 @@ class Facts:
     n: int = 1
 
     @classmethod
+    def of_task(cls, task):
+        return cls(task.request_id, task.model, task.api_key_id, task.user_id, task.received_at, task.prompt_tokens, task.n)
+
+    @classmethod
     def of_pending(cls, row):
         return cls(row.request_id, row.model, row.api_key_id, row.user_id, row.received_at, row.prompt_tokens, row.n)
 
@@ -168,15 +172,14 @@ class Outcome:
         }
 
     def usage(self):
-        total = self.prompt_tokens + self.completion_tokens
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
+        return usage_of(self.prompt_tokens, self.completion_tokens)
 
 
 def unrun(verdict, completion_tokens=0, prompt_tokens=0):
     """The outcome of a request ended without (more) generation: cancelled, or failed."""
     if verdict == "cancelled":
-        return Outcome("cancelled", prompt_tokens, completion_tokens)
-    return Outcome("error", prompt_tokens, completion_tokens, error=MESSAGES[verdict], code=CODES[verdict])
+        return Outcome(FinishReason.CANCELLED, prompt_tokens, completion_tokens)
+    return Outcome(FinishReason.ERROR, prompt_tokens, completion_tokens, error=MESSAGES[verdict], code=CODES[verdict])
 
 
 def end(client, facts, outcome, finish_reasons=None, gaps=(), **ledger_fields):
@@ -206,19 +209,14 @@ def write_ledger(facts, outcome, **fields):
 
 def end_entry(finish_reasons, outcome):
     """The last log entry: the same counts the ledger entry was given, and each choice's ending."""
-    end = {"t": "end", "finish_reasons": finish_reasons, "usage": outcome.usage()}
-    if outcome.error:
-        end["error"] = outcome.error
-    if outcome.code:
-        end["code"] = outcome.code
-    return end
+    return End(finish_reasons, outcome.usage(), error=outcome.error or None, code=outcome.code or None)
 
 
 def publish_end(client, request_id, entry):
     """The end entry and the state "ended" in one step, unless another ender was first."""
     keys = [streamlog.key(request_id, "log"), state_key(request_id), streamlog.key(request_id, "meta")]
     try:
-        return retrying(lambda: client.eval(FINISH, len(keys), *keys, json.dumps(entry), settings.TOKSTREAM_LOG_MAXLEN, settings.TOKSTREAM_LOG_TTL))
+        return retrying(lambda: client.eval(FINISH, len(keys), *keys, encode(entry), settings.TOKSTREAM_LOG_MAXLEN, settings.TOKSTREAM_LOG_TTL))
     except Exception:  # its readers end on their own once Redis is back (the state is gone)
         log.error("the end of request %s could not be logged", request_id, exc_info=True)
         return 0
@@ -276,8 +274,8 @@ def usage_in_log(client, request_id):
     """Each choice's count of produced tokens, from its latest delta in the log."""
     produced = {}
     for _, entry in streamlog.read_all(client, request_id):
-        if entry["t"] == "delta":
-            produced[entry.get("i", 0)] = entry["n"]
+        if isinstance(entry, Delta):
+            produced[entry.i] = entry.n
     return sum(produced.values())
 
 
@@ -298,13 +296,13 @@ def end_as_logged(client, facts):
     end = streamlog.end_of(client, facts.request_id)  # the newest entry only, not the whole log
     if end is None:
         return end_abandoned(client, facts, "orphaned")
-    usage = end["usage"]
-    outcome = Outcome(worst(end["finish_reasons"]), usage["prompt_tokens"], usage["completion_tokens"], error=end.get("error", ""))
+    usage = end.usage
+    outcome = Outcome(worst(end.finish_reasons), usage["prompt_tokens"], usage["completion_tokens"], error=end.error or "")
     write_ledger(facts, outcome, usage_source="stream_log")
 
 
 # The ledger has one status per request: with n > 1, the worst of its choices' endings.
-WORST_FIRST = ("error", "cancelled", "length", "tool_calls", "stop")
+WORST_FIRST = (FinishReason.ERROR, FinishReason.CANCELLED, FinishReason.LENGTH, FinishReason.TOOL_CALLS, FinishReason.STOP)
 
 
 def worst(finish_reasons):

@@ -21,6 +21,8 @@ import redis.retry
 from django.conf import settings
 from redis.backoff import ExponentialWithJitterBackoff
 
+from inference.protocol.entries import End, decode, encode
+
 ENTRY_ID = re.compile(r"^\d+-\d+$")
 _async_clients = weakref.WeakKeyDictionary()
 
@@ -86,12 +88,12 @@ def blocking_client():
 
 
 def append(client, request_id, *entries):
-    """Add entries (dicts) to the request's log in one round trip, and push its expiry, and its
+    """Add entries (inference.protocol.entries) to the request's log in one round trip, and push its expiry, and its
     metadata's, forward; returns the id of the first."""
     log = key(request_id, "log")
     with client.pipeline(transaction=False) as pipe:
         for entry in entries:
-            pipe.xadd(log, {"e": json.dumps(entry)}, maxlen=settings.TOKSTREAM_LOG_MAXLEN, approximate=True)
+            pipe.xadd(log, {"e": encode(entry)}, maxlen=settings.TOKSTREAM_LOG_MAXLEN, approximate=True)
         # Never shorter: a queued request's keys must outlive its wait (see admit).
         for kind in ("log", "meta", "state"):
             pipe.expire(key(request_id, kind), settings.TOKSTREAM_LOG_TTL, gt=True)
@@ -99,7 +101,7 @@ def append(client, request_id, *entries):
 
 
 def decode_entries(entries):
-    return [(entry_id, json.loads(fields["e"])) for entry_id, fields in entries]
+    return [(entry_id, decode(fields["e"])) for entry_id, fields in entries]
 
 
 def read_all(client, request_id):
@@ -110,7 +112,7 @@ def read_all(client, request_id):
 def end_of(client, request_id):
     """The request's end entry, once it is in its log; else None (sync client)."""
     newest = decode_entries(client.xrevrange(key(request_id, "log"), count=1))
-    return newest[0][1] if newest and newest[0][1]["t"] == "end" else None
+    return newest[0][1] if newest and isinstance(newest[0][1], End) else None
 
 
 def has_ended(client, request_id):
@@ -137,7 +139,7 @@ def admit(client, request_id, meta, opening):
         pipe.hset(key(request_id, "meta"), mapping=meta)
         pipe.expire(key(request_id, "meta"), ttl)
         pipe.set(key(request_id, "state"), "queued", ex=ttl)
-        pipe.xadd(key(request_id, "log"), {"e": json.dumps(opening)}, maxlen=settings.TOKSTREAM_LOG_MAXLEN, approximate=True)
+        pipe.xadd(key(request_id, "log"), {"e": encode(opening)}, maxlen=settings.TOKSTREAM_LOG_MAXLEN, approximate=True)
         pipe.expire(key(request_id, "log"), ttl)
         pipe.execute()
 

@@ -7,14 +7,15 @@ import pytest
 from inference import streamlog
 from inference.gateway import sse
 from inference.gateway.admission import Admitted
+from inference.protocol.entries import Delta, End
 
 
 @pytest.fixture
 def log(redis_client):
     request_id = "chatcmpl-coalescing"
     texts = [("Hel", 0), ("lo", 0), (" wor", 0), ("ld", 0), ("¡", 1), ("!", 1)]
-    ids = [streamlog.append(redis_client, request_id, {"t": "delta", "text": text, "n": n + 1, "i": i}) for n, (text, i) in enumerate(texts)]
-    ids.append(streamlog.append(redis_client, request_id, {"t": "end", "finish_reasons": ["stop", "stop"], "usage": {}}))
+    ids = [streamlog.append(redis_client, request_id, Delta(text, n + 1, i)) for n, (text, i) in enumerate(texts)]
+    ids.append(streamlog.append(redis_client, request_id, End(["stop", "stop"], {})))
     yield Admitted(request_id, "a-model", 0, 3), ids
     redis_client.delete(streamlog.key(request_id, "log"))
 
@@ -30,9 +31,9 @@ def test_deltas_in_the_window_are_merged_whole_per_choice_and_in_order(log, sett
     admitted, ids = log
     settings.TOKSTREAM_COALESCE_MS = 50
     merged = read(admitted)
-    assert [(entry.get("text"), entry.get("i")) for _, entry in merged] == [("Hello world", 0), ("¡!", 1), (None, None)]
+    assert [(getattr(entry, "text", None), getattr(entry, "i", None)) for _, entry in merged] == [("Hello world", 0), ("¡!", 1), (None, None)]
     assert [entry_id for entry_id, _ in merged] == [ids[3], ids[5], ids[6]]  # a resume from them loses nothing
-    assert merged[0][1]["n"] == 4
+    assert merged[0][1].n == 4
 
 
 def test_by_default_every_delta_passes_through(log, settings):

@@ -9,6 +9,7 @@ import pytest
 from django.conf import settings
 
 from inference import lifecycle, streamlog
+from inference.protocol.entries import Delta, End, Open
 
 MODEL = "a-model"
 
@@ -17,7 +18,7 @@ MODEL = "a-model"
 def queued(redis_client):
     request_id = f"chatcmpl-life-{uuid.uuid4().hex}"
     meta = {"owner": "key:1", "model": MODEL, "created": 0, "prompt_tokens": 3, "n": 1, "received_at": time.time(), "deadline": time.time() + 600}
-    streamlog.admit(redis_client, request_id, meta, {"t": "open", "n": 1, "queue_position": 0})
+    streamlog.admit(redis_client, request_id, meta, Open())
     return request_id
 
 
@@ -47,15 +48,15 @@ def test_a_cancelled_expired_or_unknown_request_is_never_run(redis_client, queue
     streamlog.cancel(redis_client, queued)
     assert claim(redis_client, queued) == "cancelled"
     late = f"{queued}-late"
-    streamlog.admit(redis_client, late, {"model": MODEL, "deadline": time.time() - 1}, {"t": "open", "n": 1, "queue_position": 0})
+    streamlog.admit(redis_client, late, {"model": MODEL, "deadline": time.time() - 1}, Open())
     assert claim(redis_client, late) == "expired"
     assert claim(redis_client, f"{queued}-never-admitted") == "lost"
 
 
 def test_an_ending_is_published_once(redis_client, queued):
-    assert lifecycle.publish_end(redis_client, queued, {"t": "end", "finish_reasons": ["stop"], "usage": {}}) == 1
-    assert lifecycle.publish_end(redis_client, queued, {"t": "end", "finish_reasons": ["error"], "usage": {}}) == 0
-    assert [e["t"] for _, e in streamlog.read_all(redis_client, queued)] == ["open", "end"]
+    assert lifecycle.publish_end(redis_client, queued, End(["stop"], {})) == 1
+    assert lifecycle.publish_end(redis_client, queued, End(["error"], {})) == 0
+    assert [e.t for _, e in streamlog.read_all(redis_client, queued)] == ["open", "end"]
     assert claim(redis_client, queued) == "ended"
 
 
@@ -76,7 +77,7 @@ def test_a_prefetching_worker_is_named_only_while_queued(redis_client, queued):
 
 
 def test_a_queued_requests_keys_outlive_its_wait(redis_client, queued):
-    streamlog.append(redis_client, queued, {"t": "delta", "text": "x", "n": 1})
+    streamlog.append(redis_client, queued, Delta("x", 1))
     for kind in ("meta", "state", "log"):
         assert redis_client.ttl(streamlog.key(queued, kind)) > settings.TOKSTREAM_QUEUE_TIMEOUT
 

@@ -8,6 +8,7 @@ import pytest
 from billing.models import ApiKey, UsageEntry
 from inference import lifecycle, streamlog
 from inference.gateway.admission import Admitted, Owner
+from inference.protocol.entries import Open
 from tests.sse import auth, chat_body, content_of, events, stream_chat
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -97,7 +98,7 @@ def test_a_stream_whose_model_no_worker_serves_ends_with_an_error(live_service, 
     """A worker that died mid-request must not leave its readers waiting for ever."""
     key = ApiKey.authenticate(api_key)
     orphan = Admitted("chatcmpl-orphan", "a-model-no-worker-has", 0, 3)
-    streamlog.admit(redis_client, orphan.request_id, {**orphan.meta(Owner(api_key_id=key.pk)), "include_usage": 1}, {"t": "open", "n": 1, "queue_position": 0})
+    streamlog.admit(redis_client, orphan.request_id, {**orphan.meta(Owner(api_key_id=key.pk)), "include_usage": 1}, Open())
     status, events = replay(live_service, api_key, orphan.request_id)
     assert status == 200
     [(_, opened), (_, error), (_, usage), (_, done)] = events

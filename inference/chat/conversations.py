@@ -12,6 +12,7 @@ from inference.gateway import prompt_count
 from inference.gateway.admission import Owner, admit
 from inference.models import TITLE_CHARS, Chat, Turn
 from inference.protocol import chat_request, chunks
+from inference.protocol.entries import Delta, End, Steer, choice_of
 from inference.protocol.errors import ApiError, invalid
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ def settle(turn):
         return False
     client = streamlog.sync_client()
     entries = [entry for _, entry in streamlog.read_all(client, turn.request_id)]
-    if entries and entries[-1]["t"] == "end":
+    if entries and isinstance(entries[-1], End):
         fill(turn, entries)
     elif not entries and not streamlog.load_meta(client, turn.request_id):
         # Its log and metadata expired (or Redis lost them): whatever happened, it is over.
@@ -151,18 +152,18 @@ def settle(turn):
 
 def fill(turn, entries):
     """Choice 0's text, calls and steering marks (the page asks for one choice)."""
-    ours = [entry for entry in entries if entry.get("i", 0) == 0]
+    ours = [entry for entry in entries if choice_of(entry) == 0]
     text = []
     for entry in ours:
-        if entry["t"] == "delta":
-            text.append(entry["text"])
-        elif entry["t"] == "steer" and "error" not in entry:
-            turn.steering.append({"at": len("".join(text)), "text": entry["text"]})
+        if isinstance(entry, Delta):
+            text.append(entry.text)
+        elif isinstance(entry, Steer) and entry.error is None:
+            turn.steering.append({"at": len("".join(text)), "text": entry.text})
     end = entries[-1]
     turn.content = "".join(text)
     turn.tool_calls = chunks.tool_calls(ours)
-    turn.finish_reason = end["finish_reasons"][0]
-    turn.error = end.get("error", "")
+    turn.finish_reason = end.finish_reasons[0]
+    turn.error = end.error or ""
 
 
 def settle_request(request_id):

@@ -12,10 +12,10 @@ from inference import backends, streamlog
 from inference.gateway import limits
 from inference.models import PendingRequest
 from inference.protocol.chat_request import checked_max_tokens
+from inference.protocol.entries import Open
 from inference.protocol.errors import ApiError, not_found
+from inference.protocol.payloads import GENERATE, GenerateTask
 from tokstream_site.celery import app
-
-GENERATE_TASK = "inference.tasks.generate"  # by name: the web process never imports the worker
 
 
 @dataclass(frozen=True)
@@ -108,33 +108,32 @@ def room_for(chat):
 def hold_budget(owner, admitted, task):
     """The worst case held on every budget that applies, and the pending row that gives it
     back when the request ends, in one transaction."""
-    completion_tokens = task["params"]["max_tokens"] * admitted.n
+    completion_tokens = task.max_tokens * admitted.n
     try:
         with transaction.atomic():
             reservation = budgets.reserve(owner.api_key_id, owner.user_id, admitted.model, admitted.prompt_tokens, completion_tokens)
             return PendingRequest.objects.create(
                 request_id=admitted.request_id, keyspace=streamlog.keyspace(), model=admitted.model, api_key_id=owner.api_key_id, user_id=owner.user_id,
-                prompt_tokens=admitted.prompt_tokens, n=admitted.n, received_at=admitted.received_at, reservation=reservation, task=task,
+                prompt_tokens=admitted.prompt_tokens, n=admitted.n, received_at=admitted.received_at, reservation=reservation, task=task.as_kwargs(),
             )  # fmt: skip
     except budgets.OverBudget as exc:
         raise ApiError(429, f"You exceeded your budget: {exc}", type="insufficient_quota", code="insufficient_quota") from None
 
 
 def task_of(chat, admitted, owner, ids, max_tokens):
-    """The Celery task's arguments (kept with the pending row, should it need sending again)."""
-    return {
-        "request_id": admitted.request_id,
-        "model": chat.model,
-        "prompt_ids": ids or [],
-        "prompt_tokens": admitted.prompt_tokens,
-        "upstream_body": backends.of(chat.model).upstream_body(chat, max_tokens),
-        "params": {"max_tokens": max_tokens, **chat.sampling},
-        "n": chat.n,
-        "tools": bool(chat.tools),
-        "received_at": admitted.received_at,
-        "api_key_id": owner.api_key_id,
-        "user_id": owner.user_id,
-    }
+    return GenerateTask(
+        request_id=admitted.request_id,
+        model=chat.model,
+        prompt_ids=ids or [],
+        prompt_tokens=admitted.prompt_tokens,
+        upstream_body=backends.of(chat.model).upstream_body(chat, max_tokens),
+        params={"max_tokens": max_tokens, **chat.sampling},
+        n=chat.n,
+        tools=bool(chat.tools),
+        received_at=admitted.received_at,
+        api_key_id=owner.api_key_id,
+        user_id=owner.user_id,
+    )
 
 
 def enqueue(client, chat, admitted, owner, task):
@@ -143,10 +142,10 @@ def enqueue(client, chat, admitted, owner, task):
     options = {"include_usage": int(chat.include_usage), "continuous_usage": int(chat.continuous_usage)}
     meta = {**admitted.meta(owner), **options, "deadline": deadline}
     # The stream opens as OpenAI's does, with the role, and says where the request waits.
-    opening = {"t": "open", "n": chat.n, "queue_position": position}
+    opening = Open(chat.n, position)
     try:
         streamlog.admit(client, admitted.request_id, meta, opening)
-        app.send_task(GENERATE_TASK, kwargs=task, queue="inference")
+        app.send_task(GENERATE, kwargs=task.as_kwargs(), queue="inference")
     except Exception:  # leave nothing half-made
         client.delete(*(streamlog.key(admitted.request_id, kind) for kind in ("meta", "log", "state")))
         streamlog.leave_queue(client, chat.model, admitted.request_id)

@@ -6,6 +6,7 @@ is noticed at once, and its request is cancelled.
 """
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -28,6 +29,7 @@ from inference.protocol.chunks import (
     unnumbered_frames,
     valid_event_id,
 )
+from inference.protocol.entries import TEXT_KINDS, Delta, End
 from inference.protocol.errors import (
     ApiError,
     forbidden,
@@ -138,7 +140,7 @@ async def entries(client, admitted, last_id, on_idle=None):
                 await on_idle()
         for last_id, entry in batch:
             yield last_id, entry
-            if entry["t"] == "end":
+            if isinstance(entry, End):
                 return
 
 
@@ -190,7 +192,7 @@ async def coalesced(client, request_id, batch):
     for entry_id, entry in batch:
         previous = merged[-1][1] if merged else None
         if mergeable(previous, entry):
-            merged[-1] = (entry_id, {**entry, "text": previous["text"] + entry["text"]})
+            merged[-1] = (entry_id, dataclasses.replace(entry, text=previous.text + entry.text))
         else:
             merged.append((entry_id, entry))
     return merged
@@ -198,9 +200,9 @@ async def coalesced(client, request_id, batch):
 
 def mergeable(previous, entry):
     def plain(e):
-        return e is not None and e["t"] == "delta" and "logprobs" not in e
+        return isinstance(e, Delta) and e.logprobs is None
 
-    return plain(previous) and plain(entry) and previous.get("i", 0) == entry.get("i", 0)
+    return plain(previous) and plain(entry) and previous.i == entry.i
 
 
 class Response:
@@ -251,7 +253,7 @@ async def relay_sse(response, client, writer, admitted, last_event_id=""):
     retry = retry_hint()
     try:
         async for entry_id, entry in entries(client, admitted, last_id, on_idle=lambda: response.body(KEEPALIVE)):
-            await response.body(retry + sse_frames(entry_id, writer.chunks(entry), done=entry["t"] == "end", skip=skip))
+            await response.body(retry + sse_frames(entry_id, writer.chunks(entry), done=isinstance(entry, End), skip=skip))
             retry, skip = b"", 0
     except Exception as exc:  # Redis failed or forgot the request: an ending, never silence
         log.warning("the stream of %s was interrupted: %r", admitted.request_id, exc)
@@ -271,7 +273,7 @@ async def respond_whole(response, client, admitted):
     deltas = []
     try:
         async for _, entry in entries(client, admitted, "0-0"):
-            if entry["t"] in ("delta", "tool", "args"):
+            if isinstance(entry, TEXT_KINDS):
                 deltas.append(entry)
         await response.json(200, completion(admitted, deltas, entry))
     except ApiError as exc:
@@ -370,7 +372,7 @@ class CompletionEvents(StreamingApp):
     async def seen_the_end(self, client, request_id, last_event_id):
         """True when the request ended and this id is its last event or past it."""
         newest = await streamlog.last_entry(client, request_id)
-        return newest is not None and newest[1]["t"] == "end" and seen_past(last_event_id, newest[0])
+        return newest is not None and isinstance(newest[1], End) and seen_past(last_event_id, newest[0])
 
     async def authorized_meta(self, scope, client, request_id):
         if scope["method"] != "GET":

@@ -1,8 +1,17 @@
-"""Turn log entries into OpenAI chat.completion.chunk objects and SSE frames."""
+"""Turn log entries (inference.protocol.entries) into OpenAI chat.completion.chunk objects and SSE frames."""
 
 import json
 import re
 
+from inference.protocol.entries import (
+    TOOL_KINDS,
+    Delta,
+    Open,
+    Steer,
+    ToolArgs,
+    ToolStart,
+    usage_of,
+)
 from inference.protocol.errors import ApiError
 
 
@@ -26,13 +35,13 @@ class ChunkWriter:
         self.roles_sent = set()
 
     def chunks(self, entry):
-        if entry["t"] == "open":
+        if isinstance(entry, Open):
             return [self.open_chunk(entry)]
-        if entry["t"] == "delta":
+        if isinstance(entry, Delta):
             return [self.delta_chunk(entry)]
-        if entry["t"] == "steer":
+        if isinstance(entry, Steer):
             return [self.steer_chunk(entry)]
-        if entry["t"] in ("tool", "args"):
+        if isinstance(entry, TOOL_KINDS):
             return [self.tool_chunk(entry)]
         return self.end_chunks(entry)
 
@@ -45,59 +54,54 @@ class ChunkWriter:
 
     def open_chunk(self, entry):
         """The role of every choice, with our extension: the request's place in the queue."""
-        choices = [{"index": i, "delta": {**self.opening(i), "content": ""}, "logprobs": None, "finish_reason": None} for i in range(entry["n"])]
-        chunk = {**self.chunk(choices), "tokstream": {"queue_position": entry["queue_position"]}}
+        choices = [{"index": i, "delta": {**self.opening(i), "content": ""}, "logprobs": None, "finish_reason": None} for i in range(entry.n)]
+        chunk = {**self.chunk(choices), "tokstream": {"queue_position": entry.queue_position}}
         if self.continuous_usage:
-            chunk["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": 0, "total_tokens": self.prompt_tokens}
+            chunk["usage"] = usage_of(self.prompt_tokens, 0)
         return chunk
 
     def delta_chunk(self, entry):
-        index = entry.get("i", 0)
-        self.produced[index] = entry["n"]
-        delta = {**self.opening(index), "content": entry["text"]}
-        logprobs = {"content": entry["logprobs"]} if "logprobs" in entry else None
+        index = entry.i
+        self.produced[index] = entry.n
+        delta = {**self.opening(index), "content": entry.text}
+        logprobs = {"content": entry.logprobs} if entry.logprobs is not None else None
         chunk = self.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
         if self.continuous_usage:  # as vLLM's continuous_usage_stats: the usage so far
-            chunk["usage"] = {
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": entry["n"],
-                "total_tokens": self.prompt_tokens + entry["n"],
-            }
+            chunk["usage"] = usage_of(self.prompt_tokens, entry.n)
         return chunk
 
     def steer_chunk(self, entry):
         """Our extension: where steering took effect, on an otherwise empty delta so that a
         client that reads only `choices[0].delta` sees nothing unusual."""
-        self.prompt_tokens = entry["prompt_tokens"]
-        index = entry.get("i", 0)
-        mark = {"steered": entry["text"], **({"error": entry["error"]} if "error" in entry else {})}
+        self.prompt_tokens = entry.prompt_tokens
+        index = entry.i
+        mark = {"steered": entry.text, **({"error": entry.error} if entry.error is not None else {})}
         chunk = self.chunk([{"index": index, "delta": {**self.opening(index), "content": ""}, "logprobs": None, "finish_reason": None}])
         return {**chunk, "tokstream": mark}
 
     def tool_chunk(self, entry):
         """As OpenAI streams a call: its index, id, type and name with empty arguments first,
         then only the index and each fragment of the arguments."""
-        if entry["t"] == "tool":
-            call = {"index": entry["index"], "id": entry["id"], "type": "function", "function": {"name": entry["name"], "arguments": ""}}
+        if isinstance(entry, ToolStart):
+            call = {"index": entry.index, "id": entry.id, "type": "function", "function": {"name": entry.name, "arguments": ""}}
         else:
-            call = {"index": entry["index"], "function": {"arguments": entry["text"]}}
-        index = entry.get("i", 0)
+            call = {"index": entry.index, "function": {"arguments": entry.text}}
+        index = entry.i
         return self.chunk([{"index": index, "delta": {**self.opening(index), "tool_calls": [call]}, "logprobs": None, "finish_reason": None}])
 
     def end_chunks(self, entry):
-        if "error" in entry:
-            chunks = [ApiError(500, entry["error"], type="server_error", code=entry.get("code")).body()]
+        if entry.error is not None:
+            chunks = [ApiError(500, entry.error, type="server_error", code=entry.code).body()]
         else:
-            chunks = [self.finish_chunk(index, reason) for index, reason in enumerate(entry["finish_reasons"])]
+            chunks = [self.finish_chunk(index, reason) for index, reason in enumerate(entry.finish_reasons)]
         # The usage chunk keeps its place (None) when not asked for, so event ids stay the same
         # whichever options a reader of the log chose.
-        chunks.append({**self.chunk([]), "usage": entry["usage"]} if self.include_usage else None)
+        chunks.append({**self.chunk([]), "usage": entry.usage} if self.include_usage else None)
         return chunks
 
     def interrupted_chunks(self, error):
         """A stream that cannot go on: the error, and the usage so far when it was asked for."""
-        completion = sum(self.produced.values())
-        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion, "total_tokens": self.prompt_tokens + completion}
+        usage = usage_of(self.prompt_tokens, sum(self.produced.values()))
         return [error.body(), {**self.chunk([]), "usage": usage} if self.include_usage else None]
 
     def finish_chunk(self, index, reason):
@@ -116,10 +120,10 @@ class ChunkWriter:
 def tool_calls(entries):
     calls = {}
     for entry in entries:
-        if entry["t"] == "tool":
-            calls[entry["index"]] = {"id": entry["id"], "type": "function", "function": {"name": entry["name"], "arguments": ""}}
-        elif entry["t"] == "args":
-            calls[entry["index"]]["function"]["arguments"] += entry["text"]
+        if isinstance(entry, ToolStart):
+            calls[entry.index] = {"id": entry.id, "type": "function", "function": {"name": entry.name, "arguments": ""}}
+        elif isinstance(entry, ToolArgs):
+            calls[entry.index]["function"]["arguments"] += entry.text
     return [calls[i] for i in sorted(calls)]
 
 
@@ -167,26 +171,26 @@ UNAVAILABLE = ("worker_unavailable", "queue_timeout", "request_lost")  # the ser
 
 def completion(admitted, deltas, end):
     """The non-streamed answer, from the delta entries and the end entry."""
-    if "error" in end:
-        status = 503 if end.get("code") in UNAVAILABLE else 500
-        raise ApiError(status, end["error"], type="server_error", code=end.get("code"))
+    if end.error is not None:
+        status = 503 if end.code in UNAVAILABLE else 500
+        raise ApiError(status, end.error, type="server_error", code=end.code)
     return {
         "id": admitted.request_id,
         "object": "chat.completion",
         "created": admitted.created,
         "model": admitted.model,
-        "choices": [choice(index, [d for d in deltas if d.get("i", 0) == index], reason) for index, reason in enumerate(end["finish_reasons"])],
-        "usage": end["usage"],
+        "choices": [choice(index, [d for d in deltas if d.i == index], reason) for index, reason in enumerate(end.finish_reasons)],
+        "usage": end.usage,
     }
 
 
 def choice(index, entries, finish_reason):
-    deltas = [e for e in entries if e["t"] == "delta"]
-    message = {"role": "assistant", "content": "".join(d["text"] for d in deltas)}
+    deltas = [e for e in entries if isinstance(e, Delta)]
+    message = {"role": "assistant", "content": "".join(d.text for d in deltas)}
     calls = tool_calls(entries)
     if calls:
         message["tool_calls"] = calls
         message["content"] = message["content"] or None  # as OpenAI: no text, null content
-    tokens = [token for d in deltas for token in d.get("logprobs", [])]
+    tokens = [token for d in deltas for token in d.logprobs or []]
     logprobs = {"content": tokens} if tokens else None
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -10,6 +10,7 @@ import httpx
 
 from billing import ledger
 from inference import backends, streamlog
+from inference.protocol.entries import Delta, FinishReason, ToolArgs, ToolStart
 
 READ_TIMEOUT = 120.0  # seconds without a byte from the upstream; an entry's "timeout_seconds" overrides it
 CANCEL_CHECK_SECONDS = 0.25
@@ -35,7 +36,7 @@ class Relay:
         key = os.environ.get(self.backend.entry.get("api_key_env") or "", "")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         if client.exists(streamlog.key(self.request_id, "cancel")):
-            self.finish_reason = "cancelled"  # cancelled while it queued: never sent
+            self.finish_reason = FinishReason.CANCELLED  # cancelled while it queued: never sent
             return
         try:
             timeout = httpx.Timeout(10.0, read=float(self.backend.entry.get("timeout_seconds", READ_TIMEOUT)))
@@ -59,10 +60,10 @@ class Relay:
                 if not watch.cancelled:
                     raise
         if watch.cancelled:
-            self.finish_reason = "cancelled"
+            self.finish_reason = FinishReason.CANCELLED
 
     def fail(self, message):
-        self.finish_reason, self.error = "error", message
+        self.finish_reason, self.error = FinishReason.ERROR, message
 
     def read(self, client, response):
         for line in response.iter_lines():
@@ -90,14 +91,14 @@ class Relay:
         delta, found = choice.get("delta") or {}, []
         if delta.get("content"):
             self.text.append(delta["content"])
-            found.append({"t": "delta", "text": delta["content"], "n": self.count(delta["content"])})
+            found.append(Delta(delta["content"], self.count(delta["content"])))
         for call in delta.get("tool_calls") or []:
             found += self.call_entries(call)
         if found and self.first_token_at is None:
             self.first_token_at = time.time()
         if choice.get("finish_reason"):
             reason = choice["finish_reason"]
-            self.finish_reason = reason if reason in ledger.STATUS_OF_REASON else "stop"
+            self.finish_reason = reason if reason in ledger.STATUS_OF_REASON else FinishReason.STOP
         return found
 
     def call_entries(self, call):
@@ -106,10 +107,10 @@ class Relay:
         if index not in self.calls:
             self.calls.add(index)
             self.call_text.append(function.get("name", ""))
-            found.append({"t": "tool", "index": index, "id": call.get("id", f"call_{index}"), "name": function.get("name", "")})
+            found.append(ToolStart(index, call.get("id", f"call_{index}"), function.get("name", "")))
         if function.get("arguments"):
             self.call_text.append(function["arguments"])
-            found.append({"t": "args", "index": index, "text": function["arguments"]})
+            found.append(ToolArgs(index, function["arguments"]))
         return found
 
     def count(self, text):

@@ -13,6 +13,8 @@ from celery import shared_task
 from celery.signals import task_received, worker_ready
 
 from inference import lifecycle, registry, streamlog
+from inference.protocol.entries import Delta, FinishReason, Steer, ToolArgs, ToolStart
+from inference.protocol.payloads import GENERATE, GenerateTask
 from inference.protocol.tools import ToolCallParser
 from inference.worker.engine import SamplingParams, choices
 from inference.worker.loops import LOST_CLAIM, Sweeper, engine_loop, reserve
@@ -23,20 +25,21 @@ DRAIN_SECONDS = 30
 OUTPUT_CHECK_SECONDS = 5  # how often a task waiting on its engine checks the engine is alive
 
 
-@shared_task(name="inference.tasks.generate")
-def generate(request_id, model, prompt_ids, params, received_at, api_key_id=None, user_id=None, n=1, tools=False, upstream_body=None, prompt_tokens=0):
-    facts = lifecycle.Facts(request_id, model, api_key_id, user_id, received_at, prompt_tokens, n)
+@shared_task(name=GENERATE)
+def generate(**fields):
+    task = GenerateTask(**fields)
+    facts = lifecycle.Facts.of_task(task)
     client = streamlog.sync_client()
-    loop = engine_loop(model)
-    verdict = lifecycle.claim(client, request_id, model, loop.worker_id)
+    loop = engine_loop(task.model)
+    verdict = lifecycle.claim(client, task.request_id, task.model, loop.worker_id)
     if verdict in ("running", "ended"):
         return  # a second delivery: the first is running it, or it is over
     if verdict != "claimed":
         # Its client left, its deadline passed, Redis lost it, or its worker died: never run.
         return lifecycle.end_abandoned(client, facts, verdict)
-    if upstream_body is not None:
-        return relay_upstream(client, loop, facts, upstream_body)
-    run_locally(client, loop, facts, prompt_ids, params, tools)
+    if task.upstream_body is not None:
+        return relay_upstream(client, loop, facts, task.upstream_body)
+    run_locally(client, loop, facts, task.prompt_ids, task.params, task.tools)
 
 
 def run_locally(client, loop, facts, prompt_ids, params, tools):
@@ -48,10 +51,10 @@ def run_locally(client, loop, facts, prompt_ids, params, tools):
         log.exception("request %s failed", facts.request_id)
         for request in requests:
             if request.finish_reason is None:
-                request.finish_reason, request.error = "error", f"generation failed: {exc}"
+                request.finish_reason, request.error = FinishReason.ERROR, f"generation failed: {exc}"
     finally:
         outcome = outcome_of(requests)
-        finish_reasons = [r.finish_reason or "error" for r in requests]
+        finish_reasons = [r.finish_reason or FinishReason.ERROR for r in requests]
         fields = local_fields(requests, facts.model, loop.model.tokenizer_id)
         lifecycle.end(client, facts, outcome, finish_reasons, gaps, **fields)
 
@@ -118,8 +121,8 @@ def log_entries(output, requests, parser=None):
         events = parser.feed(output.text) + (parser.finish() if output.finished else [])
     entries += [event_entry(output, event) for event in events]
     if output.logprobs:  # they go with the step's first text, or alone
-        deltas = [e for e in entries if e["t"] == "delta"] or [append_to(entries, delta_entry(output, ""))]
-        deltas[0]["logprobs"] = output.logprobs
+        deltas = [e for e in entries if isinstance(e, Delta)] or [append_to(entries, Delta("", output.completion_tokens, output.index))]
+        deltas[0].logprobs = output.logprobs
     return entries
 
 
@@ -130,36 +133,23 @@ def append_to(entries, entry):
 
 def event_entry(output, event):
     if event[0] == "content":
-        return delta_entry(output, event[1])
+        return Delta(event[1], output.completion_tokens, output.index)
     if event[0] == "call":
-        entry = {"t": "tool", "index": event[1], "id": event[2], "name": event[3]}
-    else:
-        entry = {"t": "args", "index": event[1], "text": event[2]}
-    return {**entry, "i": output.index} if output.index else entry
+        return ToolStart(event[1], event[2], event[3], output.index)
+    return ToolArgs(event[1], event[2], output.index)
 
 
 def ended_with_calls(request, parser):
     """A reply that made tool calls and stopped ends as OpenAI says: "tool_calls"."""
-    if parser is not None and parser.calls and request.finish_reason == "stop":
-        request.finish_reason = "tool_calls"
+    if parser is not None and parser.calls and request.finish_reason == FinishReason.STOP:
+        request.finish_reason = FinishReason.TOOL_CALLS
 
 
 def steer_entry(output, requests):
     """Where steering took effect (or why it did not), and the prompt tokens since."""
     # The prompt and all steering so far (the engine counts it as it injects).
-    entry = {"t": "steer", "text": output.steered, "prompt_tokens": len(requests[0].prompt_ids) + sum(r.steered_tokens for r in requests)}
-    if output.index:
-        entry["i"] = output.index
-    if output.error:
-        entry["error"] = output.error
-    return entry
-
-
-def delta_entry(output, text):
-    entry = {"t": "delta", "text": text, "n": output.completion_tokens}
-    if output.index:
-        entry["i"] = output.index
-    return entry
+    prompt_tokens = len(requests[0].prompt_ids) + sum(r.steered_tokens for r in requests)
+    return Steer(output.steered, prompt_tokens, output.index, output.error or None)
 
 
 def wait_until_finished(outbox, running):
@@ -172,7 +162,7 @@ def wait_until_finished(outbox, running):
 
 
 def finish_reason_of(requests):
-    return lifecycle.worst(r.finish_reason or "error" for r in requests)
+    return lifecycle.worst(r.finish_reason or FinishReason.ERROR for r in requests)
 
 
 def prompt_tokens(requests):

@@ -11,6 +11,7 @@ from inference import streamlog
 from inference.gateway.admission import Admitted, Owner
 from inference.models import PendingRequest
 from inference.protocol.chunks import ChunkWriter
+from inference.protocol.entries import Delta, End, Open
 from inference.worker import loops as worker
 from inference.worker import tasks
 from tests.conftest import separate_service
@@ -45,7 +46,7 @@ def test_a_request_past_its_queue_deadline_fails_unrun(one_slot, budgeted):
     rows_for([first[0].request_id], seconds=30)
     time.sleep(3)  # the worker has taken the late task by now: it found it ended
     client = streamlog._sync_client(one_slot.env["TEST_REDIS_URL"])
-    assert [e["t"] for _, e in streamlog.read_all(client, late.request_id)] == ["open", "end"]
+    assert [e.t for _, e in streamlog.read_all(client, late.request_id)] == ["open", "end"]
     assert UsageEntry.objects.filter(request_id=late.request_id).count() == 1
     assert holds_back(budget)
 
@@ -77,14 +78,14 @@ def test_a_generation_that_fails_ends_with_an_error_and_a_failed_row(engine_here
 
     entries = [entry for _, entry in streamlog.read_all(streamlog.sync_client(), task["request_id"])]
     end = entries[-1]
-    assert end["t"] == "end" and "the accelerator fell over" in end["error"]
-    produced = [e for e in entries if e["t"] == "delta"]
+    assert isinstance(end, End) and "the accelerator fell over" in end.error
+    produced = [e for e in entries if isinstance(e, Delta)]
     admitted = Admitted(task["request_id"], MODEL, 0, len(task["prompt_ids"]))
     error, usage = ChunkWriter(admitted, include_usage=True).chunks(end)
-    assert error["error"]["type"] == "server_error" and usage["usage"] == end["usage"]
+    assert error["error"]["type"] == "server_error" and usage["usage"] == end.usage
     row = UsageEntry.objects.get(request_id=task["request_id"])
     assert row.status == "failed" and "the accelerator fell over" in row.error
-    assert row.prompt_tokens == len(task["prompt_ids"]) and row.completion_tokens == (produced[-1]["n"] if produced else 0) == end["usage"]["completion_tokens"]
+    assert row.prompt_tokens == len(task["prompt_ids"]) and row.completion_tokens == (produced[-1].n if produced else 0) == end.usage["completion_tokens"]
     assert not PendingRequest.objects.filter(request_id=task["request_id"]).exists()
 
 
@@ -98,5 +99,5 @@ def admitted_here(tokenizer, content):
     task = {"request_id": request_id, "model": MODEL, "prompt_ids": prompt, "params": {"max_tokens": 40, "temperature": 0}, "received_at": time.time(), "api_key_id": key.pk, "prompt_tokens": len(prompt)}
     PendingRequest.objects.create(request_id=request_id, keyspace=streamlog.keyspace(), model=MODEL, api_key_id=key.pk, prompt_tokens=len(prompt), received_at=task["received_at"], task=task)
     meta = {**Admitted(request_id, MODEL, int(time.time()), len(prompt), 1, task["received_at"]).meta(Owner(api_key_id=key.pk)), "deadline": time.time() + 600}
-    streamlog.admit(streamlog.sync_client(), request_id, meta, {"t": "open", "n": 1, "queue_position": 0})
+    streamlog.admit(streamlog.sync_client(), request_id, meta, Open())
     return task

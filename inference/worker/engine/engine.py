@@ -16,6 +16,8 @@ from enum import Enum
 
 import torch
 
+from inference.protocol.entries import FinishReason
+
 from .beam import BeamSearch
 from .detokenizer import IncrementalDetokenizer
 from .echo import EchoModel, EchoRunner
@@ -182,7 +184,7 @@ class Engine:
         with self._lock:
             failed, self.waiting = [*self.running, *self.waiting], deque()
         self.running = []
-        return [self._finish(r, "error", error=message) for r in failed]
+        return [self._finish(r, FinishReason.ERROR, error=message) for r in failed]
 
     def _apply_cancels(self):
         with self._lock:
@@ -193,7 +195,7 @@ class Engine:
         return [self._end_cancelled(r, cancelled[r.group]) for r in (*waiting, *running)]
 
     def _end_cancelled(self, request, error):
-        return self._finish(request, "cancelled") if error is None else self._finish(request, "error", error=error)
+        return self._finish(request, FinishReason.CANCELLED) if error is None else self._finish(request, FinishReason.ERROR, error=error)
 
     def _apply_steers(self):
         """Each sequence of the steered request takes the text once: now if it runs, or when
@@ -233,7 +235,7 @@ class Engine:
             with self._lock:
                 self.waiting.popleft()
             if problem:
-                refused.append(self._finish(request, "error", error=problem))
+                refused.append(self._finish(request, FinishReason.ERROR, error=problem))
             else:
                 self._start(request)
         return refused
@@ -348,7 +350,7 @@ class Engine:
             return self._next_token(request, logits)
         except Exception as exc:  # one request's failure ends that request, not its neighbours
             log.exception("request %s failed", request.request_id)
-            return self._finish(request, "error", error=f"generation failed: {exc}")
+            return self._finish(request, FinishReason.ERROR, error=f"generation failed: {exc}")
 
     def _next_token(self, request, logits):
         token = sample(logits, request.params, request.generator, request.all_ids, request.output_ids)
@@ -367,12 +369,12 @@ class Engine:
 
     def _update(self, request, token):
         if self._is_stop_token(request, token):
-            return self._finish(request, "stop")
+            return self._finish(request, FinishReason.STOP)
         text = request.detokenizer.add(token)
         if request.detokenizer.stopped:
-            return self._finish(request, "stop", text)
+            return self._finish(request, FinishReason.STOP, text)
         if self._out_of_room(request):
-            return self._finish(request, "length", text)
+            return self._finish(request, FinishReason.LENGTH, text)
         return self._output(request, text)
 
     def _beam_step(self, request, logits):
@@ -380,12 +382,12 @@ class Engine:
             self._fork(request, request.beam.advance(logits))
         except Exception as exc:
             log.exception("request %s failed", request.request_id)
-            return self._finish(request, "error", error=f"generation failed: {exc}")
+            return self._finish(request, FinishReason.ERROR, error=f"generation failed: {exc}")
         tokens = request.beam.best() if request.beam.done else request.beam.agreed()
         text = self._release_tokens(request, tokens)
         if request.beam.done:
             ended = tokens and self._is_stop_token(request, tokens[-1])
-            return self._finish(request, "stop" if ended else "length", text)
+            return self._finish(request, FinishReason.STOP if ended else FinishReason.LENGTH, text)
         return self._output(request, text)
 
     def _fork(self, request, parents):

@@ -1,0 +1,122 @@
+"""The entries of a request's log: what the worker (or the admission, or whoever ends a request)
+writes, and what every reader reads. Each kind is a type, encoded to and from the log's JSON
+here and nowhere else.
+
+On the wire an entry is a JSON object whose "t" names its kind; fields at their default are
+left out (`i`, the choice, is 0 for most). The format is the one logs have always had, so a
+reader of this version reads a log an older worker wrote.
+"""
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    """Why a choice ended, as OpenAI names it, plus the two endings of our own."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    TOOL_CALLS = "tool_calls"
+    CANCELLED = "cancelled"  # its client left, or asked to stop
+    ERROR = "error"  # it failed: the end entry says why
+
+
+@dataclass(frozen=True)
+class Open:
+    """The first entry: the stream opens with the role of each choice and the queue position."""
+
+    n: int = 1
+    queue_position: int = 0
+    t = "open"
+
+
+@dataclass
+class Delta:
+    """Text of one choice, and that choice's completion tokens so far."""
+
+    text: str
+    n: int
+    i: int = 0
+    logprobs: list | None = None
+    t = "delta"
+
+
+@dataclass(frozen=True)
+class Steer:
+    """Where steering took effect (or why not), and the prompt tokens counted since."""
+
+    text: str
+    prompt_tokens: int
+    i: int = 0
+    error: str | None = None
+    t = "steer"
+
+
+@dataclass(frozen=True)
+class ToolStart:
+    """A tool call begins: its index, id and function name."""
+
+    index: int
+    id: str
+    name: str
+    i: int = 0
+    t = "tool"
+
+
+@dataclass(frozen=True)
+class ToolArgs:
+    """A fragment of a tool call's arguments."""
+
+    index: int
+    text: str
+    i: int = 0
+    t = "args"
+
+
+@dataclass(frozen=True)
+class End:
+    """The last entry: each choice's finish reason and the usage, or the error that ended it."""
+
+    finish_reasons: list = field(default_factory=list)
+    usage: dict = field(default_factory=dict)
+    error: str | None = None
+    code: str | None = None
+    t = "end"
+
+
+def usage_of(prompt_tokens, completion_tokens):
+    """OpenAI's usage object: every count a client is told, in the log, a chunk or an answer."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+KINDS = {kind.t: kind for kind in (Open, Delta, Steer, ToolStart, ToolArgs, End)}
+Entry = Open | Delta | Steer | ToolStart | ToolArgs | End
+TOOL_KINDS = (ToolStart, ToolArgs)
+TEXT_KINDS = (Delta, ToolStart, ToolArgs)  # what a client sees as the reply's content
+
+
+def choice_of(entry):
+    """The choice an entry belongs to; the opening and the end belong to all (0 here)."""
+    return getattr(entry, "i", 0)
+
+
+def to_dict(entry):
+    fields = {f.name: getattr(entry, f.name) for f in dataclasses.fields(entry)}
+    defaults = {f.name: f.default for f in dataclasses.fields(entry) if f.default is not dataclasses.MISSING}
+    return {"t": entry.t, **{name: value for name, value in fields.items() if name not in defaults or value != defaults[name]}}
+
+
+def encode(entry):
+    return json.dumps(to_dict(entry))
+
+
+def from_dict(data):
+    data = dict(data)
+    kind = KINDS[data.pop("t")]
+    return kind(**data)
+
+
+def decode(text):
+    return from_dict(json.loads(text))
