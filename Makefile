@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install model migrate run test test-deps
+.PHONY: install lint model migrate run test test-deps
 
 $(INSTALLED): requirements.txt requirements-model.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ test-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  else echo "The tests need: sudo apt-get install $$missing" >&2; exit 1; fi; \
 	fi
+
+# Lint and format check (ruff, configured in pyproject.toml); CI runs it before the tests.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: model test-deps
 	$(PY) -m pytest

@@ -233,7 +233,7 @@ async def one_stream(client, args, prompt):
     try:
         # Bounded in all (not only per read), so a stalled stream cannot keep the run going.
         backoff = await asyncio.wait_for(send_stream(client, args, stream), args.timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         stream.broken = f"no [DONE] within {args.timeout:g} s"
     except (httpx.HTTPError, ValueError, LookupError, TypeError, AttributeError) as exc:
         # Besides the network: a data line that is not JSON, or a chunk of an unexpected shape;
@@ -374,7 +374,7 @@ async def whole_reply(client, args, prompt):
     """The non-streamed greedy reply: (text, completion_tokens), or (None, why)."""
     try:
         response = await asyncio.wait_for(client.post("/v1/chat/completions", json=request_body(args, prompt, False)), args.timeout)
-    except (asyncio.TimeoutError, httpx.HTTPError) as exc:
+    except (TimeoutError, httpx.HTTPError) as exc:
         return None, type(exc).__name__
     if response.status_code != 200:
         return None, f"{response.status_code}"

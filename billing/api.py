@@ -129,7 +129,7 @@ class UtcDateTimeField(django_filters.fields.IsoDateTimeField):
     def to_python(self, value):
         value = super().to_python(value)
         try:
-            return value and value.astimezone(dt.timezone.utc)
+            return value and value.astimezone(dt.UTC)
         except OverflowError:
             raise forms.ValidationError("This time is out of range.", code="out_of_range") from None
 

@@ -12,7 +12,7 @@ import hashlib
 import io
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import date, datetime, time, timedelta, timezone
+from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal, InvalidOperation
 
 from django.conf import settings
@@ -206,8 +206,8 @@ def period(lines, entries):
     days = [line.day for line in lines if line.day] or [e.received_at.date() for e in entries]
     if not days:
         return None
-    start = datetime.combine(min(days), time.min, tzinfo=timezone.utc)
-    return start, datetime.combine(max(days) + timedelta(days=1), time.min, tzinfo=timezone.utc)
+    start = datetime.combine(min(days), time.min, tzinfo=UTC)
+    return start, datetime.combine(max(days) + timedelta(days=1), time.min, tzinfo=UTC)
 
 
 def request_key(entry, named):

@@ -1,7 +1,7 @@
 """Writing the ledger: once per request id, whatever the outcome, priced and chained."""
 
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from django.db import IntegrityError, connection, transaction
 
@@ -21,7 +21,7 @@ CHAIN_LOCK = 0x70CE5  # the PostgreSQL advisory lock that orders the chain's wri
 
 
 def as_datetime(timestamp):
-    return None if timestamp is None else datetime.fromtimestamp(timestamp, tz=timezone.utc)
+    return None if timestamp is None else datetime.fromtimestamp(timestamp, tz=UTC)
 
 
 def record(request_id, finish_reason, **fields):
@@ -97,7 +97,7 @@ def adjust(entry, reason, **changes):
 def correct(entry, kind, reason, changes):
     if entry.kind != UsageEntry.Kind.USAGE:
         raise CorrectionError("only usage entries are corrected; correct the usage entry itself")
-    now = datetime.now(tz=timezone.utc)
+    now = datetime.now(tz=UTC)
     counts = {name: 0 for name in ("prompt_tokens", "completion_tokens")}
     correction = UsageEntry(
         request_id=f"{kind}-{uuid.uuid4().hex[:8]}-{entry.request_id}"[:64], kind=kind, corrects=entry,

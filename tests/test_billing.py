@@ -1,6 +1,6 @@
 """The first-cut ledger and API keys, in the database."""
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 from django.core.management import call_command
@@ -8,7 +8,7 @@ from django.core.management import call_command
 from billing import ledger
 from billing.models import KEY_PREFIX, ApiKey, AppendOnlyError, UsageEntry
 
-NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
 
 def record(request_id="chatcmpl-1", reason="stop", completion_tokens=7, **extra):

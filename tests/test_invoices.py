@@ -1,6 +1,6 @@
 """Vendor usage exports: imported whole or refused whole, once, and reconciled with the ledger."""
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
@@ -11,7 +11,7 @@ from billing import invoices, ledger
 from billing.models import Invoice, InvoiceLine, PriceSheet, UsageEntry
 
 pytestmark = pytest.mark.django_db
-DAY = datetime(2026, 11, 2, 12, 0, tzinfo=timezone.utc)
+DAY = datetime(2026, 11, 2, 12, 0, tzinfo=UTC)
 HEADER = "request_id,date,model,input_tokens,input_cached_tokens,output_tokens,cost\n"
 
 

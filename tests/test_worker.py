@@ -29,7 +29,7 @@ def test_each_device_gets_an_engine_and_requests_go_to_the_least_loaded(two_cpu_
     loops = worker._loops[MODEL]
     assert len(loops) == 2 and loops[0].model.model is not loops[1].model.model
     assert submitted[0][0] is not submitted[1][0]  # the second went to the idle engine
-    for loop, request, outbox in submitted:
+    for _, request, outbox in submitted:
         while not outbox.get(timeout=60).finished:
             pass
         assert request.output_ids == reference(model, request.prompt_ids, 8)

@@ -17,9 +17,9 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 from django.db import close_old_connections
 
-from billing.models import ApiKey
 from inference import lifecycle, streamlog
 from inference.gateway.admission import Admitted, Owner, admit, owned_meta
+from inference.gateway.auth import key_owner, required_owner
 from inference.protocol import chat_request
 from inference.protocol.chunks import (
     ChunkWriter,
@@ -32,7 +32,6 @@ from inference.protocol.chunks import (
 from inference.protocol.entries import TEXT_KINDS, Delta, End
 from inference.protocol.errors import (
     ApiError,
-    forbidden,
     invalid,
     too_large,
     unauthorized,
@@ -88,10 +87,7 @@ async def read_body(scope, receive):
 
 
 async def bearer_owner(scope):
-    key = await database_sync_to_async(ApiKey.from_authorization)(header(scope, b"authorization"))
-    if key is not None and not key.has_scope("chat"):
-        raise forbidden("chat")
-    return Owner.of_key(key) if key else None
+    return await database_sync_to_async(key_owner)(header(scope, b"authorization"))
 
 
 async def session_owner(scope):
@@ -318,9 +314,7 @@ class ChatCompletions(StreamingApp):
     async def admit(self, scope, receive):
         if scope["method"] != "POST":
             raise ApiError(405, "Use POST for /v1/chat/completions.", code="method_not_allowed")
-        owner = await bearer_owner(scope)
-        if owner is None:
-            raise unauthorized()
+        owner = await database_sync_to_async(required_owner)(header(scope, b"authorization"))
         chat = chat_request.parse(await read_body(scope, receive), header(scope, b"content-type"))
         return chat, await sync_to_async(admit_in_pool, thread_sensitive=False)(chat, owner)
 

@@ -12,18 +12,16 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from billing.models import ApiKey
 from inference import backends, metrics, registry, streamlog
 from inference.gateway import prompt_count
-from inference.gateway.admission import Owner, owned_meta
+from inference.gateway.admission import owned_meta
+from inference.gateway.auth import required_owner
 from inference.protocol.chat_request import is_text
 from inference.protocol.errors import (
     ApiError,
-    forbidden,
     invalid,
     server_error,
     too_large,
-    unauthorized,
 )
 
 MAX_STEER_CHARS = 8000
@@ -37,12 +35,10 @@ def error_response(exc):
 def api_key_required(view):
     @functools.wraps(view)
     def wrapper(request, *args, **kwargs):
-        key = ApiKey.from_authorization(request.headers.get("Authorization", ""))
-        if key is None:
-            return error_response(unauthorized())
-        if not key.has_scope("chat"):
-            return error_response(forbidden("chat"))
-        request.api_key = key
+        try:
+            required_owner(request.headers.get("Authorization", ""))
+        except ApiError as exc:
+            return error_response(exc)
         return view(request, *args, **kwargs)
 
     return wrapper
@@ -57,12 +53,7 @@ def api_post(view):
         try:
             if request.method != "POST":
                 raise ApiError(405, "Use POST.", code="method_not_allowed")
-            key = ApiKey.from_authorization(request.headers.get("Authorization", ""))
-            if key is None:
-                raise unauthorized()
-            if not key.has_scope("chat"):
-                raise forbidden("chat")
-            return view(request, Owner.of_key(key), *args, **kwargs)
+            return view(request, required_owner(request.headers.get("Authorization", "")), *args, **kwargs)
         except RequestDataTooBig:
             return error_response(too_large(settings.TOKSTREAM_MAX_BODY_BYTES))
         except ApiError as exc:

@@ -10,6 +10,8 @@ import json
 import re
 import uuid
 
+from inference.protocol.text import partial_tail
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 SYSTEM = (
@@ -43,14 +45,6 @@ def render_message(message):
         return {"role": "tool", "content": f"<tool_response>\n{content}\n</tool_response>"}
     calls = [f"{OPEN}\n{json.dumps(call)}\n{CLOSE}" for call in message.get("tool_calls", [])]
     return {"role": message["role"], "content": "\n".join(filter(None, [content, *calls]))}
-
-
-def partial_tail(text, marker):
-    """Length of the longest end of `text` that could still grow into `marker`."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:size]):
-            return size
-    return 0
 
 
 class ToolCallParser:
@@ -111,7 +105,7 @@ class ToolCallParser:
 
     def _outside(self, events):
         at = self.buffer.find(OPEN)
-        cut = at if at >= 0 else len(self.buffer) - partial_tail(self.buffer, OPEN)
+        cut = at if at >= 0 else len(self.buffer) - partial_tail(self.buffer, [OPEN])
         if cut:
             events += self._content(self.buffer[:cut])
         if at < 0:

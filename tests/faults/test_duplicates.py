@@ -8,6 +8,7 @@ import pytest
 
 from inference import lifecycle, streamlog
 from inference.models import PendingRequest
+from inference.protocol.payloads import GENERATE
 from tests.faults.conftest import rows_for
 from tests.faults.streams import body, record, whole
 from tests.faults.test_worker_killed import ESSAY, wait_for_requests, wait_until_running
@@ -25,7 +26,7 @@ def test_a_task_delivered_again_is_generated_once(live_service, api_key, redis_c
     wait_until_running(redis_client, [request_id], 1)
     task = PendingRequest.objects.get(request_id=request_id).task
     for _ in range(2):  # as a broker that redelivers while the first still runs
-        app.send_task("inference.tasks.generate", kwargs=task, queue="inference")
+        app.send_task(GENERATE, kwargs=task, queue="inference")
     runner.join(timeout=120)
 
     [stream] = streams
@@ -35,7 +36,7 @@ def test_a_task_delivered_again_is_generated_once(live_service, api_key, redis_c
     assert row.status == "length" and row.completion_tokens == 120
 
     length = redis_client.xlen(streamlog.key(request_id, "log"))
-    app.send_task("inference.tasks.generate", kwargs=task, queue="inference")  # after its end
+    app.send_task(GENERATE, kwargs=task, queue="inference")  # after its end
     time.sleep(3)
     assert redis_client.xlen(streamlog.key(request_id, "log")) == length
     assert redis_client.get(lifecycle.state_key(request_id)) == lifecycle.ENDED

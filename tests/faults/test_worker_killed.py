@@ -13,6 +13,7 @@ from django.conf import settings
 
 from inference import lifecycle, streamlog
 from inference.models import PendingRequest
+from inference.protocol.payloads import GENERATE
 from tests.conftest import separate_service
 from tests.faults.conftest import holds_back, queue_empty, rows_for
 from tests.faults.streams import body, record, record_many
@@ -80,7 +81,7 @@ def test_every_client_of_a_killed_worker_gets_its_end(service, budgeted):
     app.conf.broker_url = service.env["TEST_REDIS_URL"]
     log_lengths = {r: client.xlen(streamlog.key(r, "log")) for r in again}
     for request_id in again:
-        app.send_task("inference.tasks.generate", kwargs=tasks[request_id], queue="inference")
+        app.send_task(GENERATE, kwargs=tasks[request_id], queue="inference")
     time.sleep(5)
     assert {r: client.xlen(streamlog.key(r, "log")) for r in again} == log_lengths
     assert all(len(found) == 1 for found in rows_for(ids, seconds=1).values())

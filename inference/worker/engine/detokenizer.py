@@ -1,6 +1,9 @@
 """Token ids in, text deltas out: never half a character, never any part of a stop string."""
 
 
+from inference.protocol.text import partial_tail
+
+
 class IncrementalDetokenizer:
     """Decodes a growing list of ids in a short window, like vLLM's detokenizer.
 
@@ -55,17 +58,7 @@ class IncrementalDetokenizer:
     def _safe_end(self):
         if self.stopped:
             return len(self.text)
-        return len(self.text) - self._partial_stop_length()
-
-    def _partial_stop_length(self):
-        """Length of the longest tail of `text` that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self.stop:
-            for size in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:size]):
-                    longest = size
-                    break
-        return longest
+        return len(self.text) - partial_tail(self.text, self.stop)
 
     def _release(self, end):
         end = max(end, self.released)
