@@ -7,17 +7,13 @@ Every error is JSON in the OpenAI shape, whatever format was asked: the CSV and 
 renderers only ever carry rows.
 """
 
-import csv
 import datetime as dt
-import io
 import json
 
 import django_filters
 from django import forms
 from django.contrib.auth.models import AnonymousUser
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, Sum
-from django.db.models.functions import TruncDate
 from django.http import Http404, StreamingHttpResponse
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.plumbing import build_bearer_security_scheme_object
@@ -35,8 +31,9 @@ from rest_framework import (
 )
 from rest_framework.response import Response
 
+from billing import ledger
+from billing.export import EntrySerializer, csv_lines, serialized
 from billing.models import ApiKey, UsageEntry
-from billing.spreadsheet import safe_cell
 from inference.protocol.errors import ApiError
 
 EXPORT_CHUNK = 2000
@@ -270,15 +267,6 @@ class LedgerView(views.APIView):
 # -- entries -----------------------------------------------------------------------------------
 
 
-class EntrySerializer(serializers.ModelSerializer):
-    time_to_first_token = serializers.FloatField(read_only=True, help_text="Seconds from arrival to the first token.")
-    tokens_per_second = serializers.FloatField(read_only=True, help_text="Completion tokens over the time after the first.")
-
-    class Meta:
-        model = UsageEntry
-        fields = [f.name for f in UsageEntry._meta.concrete_fields] + ["time_to_first_token", "tokens_per_second"]
-
-
 class EntryPages(pagination.CursorPagination):
     """Pages by id: entries that arrive while a client pages land after its cursor, so no
     page skips or repeats a row. A cursor or page size it did not issue is a 400: DRF reads a
@@ -340,7 +328,9 @@ FILTER_PARAMETERS = [
 
 PAGE_PARAMETERS = [
     OpenApiParameter("cursor", OpenApiTypes.STR, description="From a page's `next` or `previous` link; JSON pages only."),
-    OpenApiParameter("page_size", {"type": "integer", "minimum": 1, "maximum": EntryPages.max_page_size}, description="Entries a page (100 if not given); JSON pages only."),
+    OpenApiParameter(
+        "page_size", {"type": "integer", "minimum": 1, "maximum": EntryPages.max_page_size}, description="Entries a page (100 if not given); JSON pages only."
+    ),
 ]
 
 
@@ -387,7 +377,7 @@ def export(filters, renderer):
     entries = filters.qs
     newest_id, last_hash = entries.order_by("-id").values_list("id", "entry_hash").first() or (0, "")
     snapshot = entries.filter(id__lte=newest_id).order_by("id")
-    rows = (EntrySerializer(entry).data for entry in snapshot.iterator(chunk_size=EXPORT_CHUNK))
+    rows = serialized(snapshot.iterator(chunk_size=EXPORT_CHUNK))
     lines = csv_lines(rows) if renderer.format == "csv" else (json.dumps(row) + "\n" for row in rows)
     response = StreamingHttpResponse(lines, content_type=renderer.media_type)
     response["X-Ledger-Range"] = ledger_range(filters.form.cleaned_data)
@@ -397,23 +387,10 @@ def export(filters, renderer):
 
 
 def ledger_range(cleaned):
-    """"after/before" from the parsed times: the query's own text may end in a newline, which
+    """ "after/before" from the parsed times: the query's own text may end in a newline, which
     the datetime parser allows and a header refuses."""
     after, before = cleaned.get("received_after"), cleaned.get("received_before")
     return f"{after.isoformat() if after else ''}/{before.isoformat() if before else ''}"
-
-
-def csv_lines(rows):
-    """One CSV line at a time: the export's memory stays flat however many rows."""
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=EntrySerializer.Meta.fields)
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({name: safe_cell(value) for name, value in row.items()})  # upstream ids, staff's reasons
-        yield buffer.getvalue()
-        buffer.seek(0)
-        buffer.truncate()
-    yield buffer.getvalue()
 
 
 # -- daily -------------------------------------------------------------------------------------
@@ -437,20 +414,9 @@ class Daily(LedgerView):
         responses={(200, "application/json"): DailySerializer(many=True), **error_responses(400, 401, 403, 406)},
     )
     def get(self, request):
-        totals = (
-            filtered(request).qs.annotate(day=TruncDate("received_at"))
-            .values("day", "model")
-            .annotate(
-                requests=Count("id"),
-                prompt_tokens=Sum("prompt_tokens"),
-                completion_tokens=Sum("completion_tokens"),
-                cost=Sum("total_cost"),
-            )
-            .order_by("day", "model")
-        )
-        return Response([daily_row(row) for row in totals])
+        return Response([daily_row(row) for row in ledger.daily_totals(filtered(request).qs)])
 
 
 def daily_row(row):
     cost = None if row["cost"] is None else str(row["cost"])  # unpriced: unknown, not zero
-    return {**row, "day": row["day"].isoformat(), "total_tokens": row["prompt_tokens"] + row["completion_tokens"], "cost": cost}
+    return {**row, "day": row["day"].isoformat(), "cost": cost}

@@ -3,23 +3,34 @@
 import csv
 import io
 import time
+from decimal import Decimal
 
 import pytest
 from django.db import connections
 from playwright.sync_api import sync_playwright
 
-from billing import ledger
-from billing.models import UsageEntry
+from billing import export, ledger
+from billing.models import ApiKey, PriceSheet, UsageEntry
 from tests.test_chat_page import CHROMIUM, FLAGS
 
 pytestmark = pytest.mark.django_db(transaction=True)
 CHANGELIST = "/admin/billing/usageentry/"
+ENTRIES = "/api/ledger/entries/"
 
 
 def entries(count, model="m"):
     now = time.time()
     for n in range(count):
-        ledger.record(f"r-admin-{model}-{n}", "stop", model=model, tokenizer="t", prompt_tokens=10, completion_tokens=n, received_at=ledger.as_datetime(now), finished_at=ledger.as_datetime(now))
+        ledger.record(
+            f"r-admin-{model}-{n}",
+            "stop",
+            model=model,
+            tokenizer="t",
+            prompt_tokens=10,
+            completion_tokens=n,
+            received_at=ledger.as_datetime(now),
+            finished_at=ledger.as_datetime(now),
+        )
 
 
 def test_the_list_totals_the_filtered_rows_and_refuses_changes(admin_client):
@@ -52,6 +63,44 @@ def test_the_csv_action_writes_no_formula_and_keeps_negative_counts(admin_client
     usage, reversed_ = csv.DictReader(io.StringIO(response.content.decode()))
     assert usage["vendor_request_id"] == "'=cmd|' /C calc'!A0" and reversed_["error"] == "'-2+3+cmd|' /C calc'!A0"
     assert (reversed_["prompt_tokens"], reversed_["completion_tokens"]) == ("-10", "-3")  # numbers stay numbers
+
+
+def test_the_csv_action_and_the_rest_export_write_the_same_file(admin_client):
+    prices = dict(input_per_million=Decimal(1), cached_input_per_million=Decimal(1), output_per_million=Decimal(2))
+    PriceSheet.objects.create(model="m", effective_from=ledger.as_datetime(0), **prices)
+    key, _ = ApiKey.issue("auditor")
+    now = time.time()
+    entry = ledger.record(
+        "r-admin-same", "stop", api_key=key, model="m", tokenizer="t", prompt_tokens=10, completion_tokens=3, vendor_request_id="=x",
+        received_at=ledger.as_datetime(now), first_token_at=ledger.as_datetime(now + 0.5), finished_at=ledger.as_datetime(now + 1),
+    )  # fmt: skip
+    reversal = ledger.reverse(entry, "@staff reason")
+    from_admin = admin_client.post(CHANGELIST, {"action": "export_csv", "_selected_action": [entry.pk, reversal.pk]}).content.decode()
+    from_rest = b"".join(admin_client.get(ENTRIES, {"format": "csv"}).streaming_content).decode()  # a staff session reads all
+    assert from_admin == from_rest  # the same header, the same rows, cell for cell
+    header, usage, reversed_ = csv.reader(io.StringIO(from_admin))
+    assert header == export.COLUMNS and {"api_key", "corrects", "price_sheet", "entry_hash", "time_to_first_token", "tokens_per_second"} <= set(header)
+    usage, reversed_ = dict(zip(header, usage)), dict(zip(header, reversed_))
+    assert (usage["api_key"], usage["price_sheet"], usage["vendor_request_id"], usage["time_to_first_token"]) == (
+        str(key.pk),
+        str(entry.price_sheet_id),
+        "'=x",
+        "0.5",
+    )
+    assert (reversed_["corrects"], reversed_["error"], reversed_["total_cost"]) == (str(entry.pk), "'@staff reason", "-0.000016000")
+
+
+def test_the_usage_chart_draws_the_rest_daily_totals(admin_client):
+    prices = dict(input_per_million=Decimal(1), cached_input_per_million=Decimal(1), output_per_million=Decimal(2))
+    PriceSheet.objects.create(model="a", effective_from=ledger.as_datetime(0), **prices)
+    entries(3, "a")
+    entries(2, "b")
+    context = admin_client.get(f"{CHANGELIST}usage/").context
+    daily = admin_client.get("/api/ledger/daily/").json()
+    assert [row["model"] for row in daily] == ["a", "b"]
+    for row in daily:
+        assert f"<title>{row['model']} {row['day']}: {row['total_tokens']:g}</title>" in context["tokens_chart"]
+        assert f"<title>{row['model']} {row['day']}: {float(row['cost'] or 0):g}</title>" in context["cost_chart"]  # unknown draws as 0
 
 
 @pytest.fixture

@@ -2,7 +2,8 @@
 
 import threading
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from decimal import Decimal
 
 import pytest
@@ -25,7 +26,15 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 def entry(request_id, **fields):
     now = time.time()
-    values = dict(model="m", tokenizer="t", prompt_tokens=1000, cached_prompt_tokens=400, completion_tokens=200, received_at=ledger.as_datetime(now), finished_at=ledger.as_datetime(now + 1))
+    values = dict(
+        model="m",
+        tokenizer="t",
+        prompt_tokens=1000,
+        cached_prompt_tokens=400,
+        completion_tokens=200,
+        received_at=ledger.as_datetime(now),
+        finished_at=ledger.as_datetime(now + 1),
+    )
     return ledger.record(request_id, "stop", **{**values, **fields})
 
 
@@ -116,6 +125,24 @@ def test_a_reversal_nets_an_entry_out_of_every_total_and_keeps_the_chain():
     with pytest.raises(ledger.CorrectionError):
         ledger.adjust(original, "nonsense", colour=1)
     assert ledger.verify() == (3, None)
+
+
+def test_daily_totals_sum_each_day_and_model_and_net_out_reversals():
+    sheet(60 * 24 * 365 * 30, "2.50", "1.25", "10")  # in force on the fixed days below
+    first, second = datetime(2024, 3, 1, 12, tzinfo=dt_timezone.utc), datetime(2024, 3, 2, 12, tzinfo=dt_timezone.utc)
+    entry("r-day-1", received_at=first, finished_at=first)
+    entry("r-day-2", received_at=second, finished_at=second)
+    ledger.reverse(entry("r-day-3", received_at=second, finished_at=second), "billed twice")
+    entry("r-day-unpriced", model="other", received_at=second, finished_at=second)
+    rows = [
+        (row["day"].isoformat(), row["model"], row["requests"], row["prompt_tokens"], row["completion_tokens"], row["total_tokens"], row["cost"])
+        for row in ledger.daily_totals(UsageEntry.objects.all())
+    ]
+    assert rows == [
+        ("2024-03-01", "m", 1, 1000, 200, 1200, Decimal("0.004")),
+        ("2024-03-02", "m", 3, 1000, 200, 1200, Decimal("0.004")),  # two entries and the reversal of one
+        ("2024-03-02", "other", 1, 1000, 200, 1200, None),  # unpriced: unknown, not zero
+    ]
 
 
 def test_the_database_refuses_a_usage_entry_with_negative_counts():
