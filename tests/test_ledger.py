@@ -2,8 +2,7 @@
 
 import threading
 import time
-from datetime import datetime, timedelta
-from datetime import timezone as dt_timezone
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
@@ -129,7 +128,7 @@ def test_a_reversal_nets_an_entry_out_of_every_total_and_keeps_the_chain():
 
 def test_daily_totals_sum_each_day_and_model_and_net_out_reversals():
     sheet(60 * 24 * 365 * 30, "2.50", "1.25", "10")  # in force on the fixed days below
-    first, second = datetime(2024, 3, 1, 12, tzinfo=dt_timezone.utc), datetime(2024, 3, 2, 12, tzinfo=dt_timezone.utc)
+    first, second = datetime(2024, 3, 1, 12, tzinfo=UTC), datetime(2024, 3, 2, 12, tzinfo=UTC)
     entry("r-day-1", received_at=first, finished_at=first)
     entry("r-day-2", received_at=second, finished_at=second)
     ledger.reverse(entry("r-day-3", received_at=second, finished_at=second), "billed twice")
