@@ -2,7 +2,6 @@
 the echo model (tests/settings.py) where a test needs to script exactly what streams."""
 
 import shutil
-import time
 from datetime import timedelta
 from decimal import Decimal
 
@@ -18,6 +17,7 @@ from inference.models import Chat, Turn
 from tests.proxy import CuttableProxy
 from tests.service import wait_for_entry
 from tests.sse import MODEL
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -322,8 +322,8 @@ def test_leaving_the_page_cancels_the_reply(browser, live_service):
     entry = wait_for_entry(seconds=15)
     assert entry.status == "cancelled"
     assert entry.completion_tokens < 512
-    time.sleep(0.5)
-    assert Turn.objects.get(role="assistant").finish_reason == "cancelled"
+    # The chat page settles its turn after the ledger entry is written, on request_finished.
+    eventually(lambda: Turn.objects.get(role="assistant").finish_reason == "cancelled", 5, message="the turn was not marked cancelled")
 
 
 def below_view(page):
