@@ -9,6 +9,8 @@ import pytest
 from tests.service import LiveService
 from tests.waiting import eventually
 
+pytest_plugins = ["tests.browser"]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def redis_server():

@@ -5,12 +5,9 @@ import io
 import time
 
 import pytest
-from django.db import connections
-from playwright.sync_api import sync_playwright
 
 from billing import ledger
 from billing.models import UsageEntry
-from tests.test_chat_page import CHROMIUM, FLAGS
 
 pytestmark = pytest.mark.django_db(transaction=True)
 CHANGELIST = "/admin/billing/usageentry/"
@@ -19,7 +16,16 @@ CHANGELIST = "/admin/billing/usageentry/"
 def entries(count, model="m"):
     now = time.time()
     for n in range(count):
-        ledger.record(f"r-admin-{model}-{n}", "stop", model=model, tokenizer="t", prompt_tokens=10, completion_tokens=n, received_at=ledger.as_datetime(now), finished_at=ledger.as_datetime(now))
+        ledger.record(
+            f"r-admin-{model}-{n}",
+            "stop",
+            model=model,
+            tokenizer="t",
+            prompt_tokens=10,
+            completion_tokens=n,
+            received_at=ledger.as_datetime(now),
+            finished_at=ledger.as_datetime(now),
+        )
 
 
 def test_the_list_totals_the_filtered_rows_and_refuses_changes(admin_client):
@@ -54,18 +60,8 @@ def test_the_csv_action_writes_no_formula_and_keeps_negative_counts(admin_client
     assert (reversed_["prompt_tokens"], reversed_["completion_tokens"]) == ("-10", "-3")  # numbers stay numbers
 
 
-@pytest.fixture
-def browser(live_service, monkeypatch):
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's loop runs in this thread
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        yield browser
-        browser.close()
-    connections.close_all()
-
-
-def sign_in(browser, service, username):
-    page = browser.new_page()
+def sign_in(new_page, service, username):
+    page = new_page()
     page.goto(f"{service.url}/admin/login/?next=/admin/billing/usageentry/usage/")
     page.fill("input[name=username]", username)
     page.fill("input[name=password]", "pw-for-tests-only")
@@ -73,14 +69,14 @@ def sign_in(browser, service, username):
     return page
 
 
-def test_the_usage_chart_renders_for_staff_and_no_one_else(browser, live_service, django_user_model):
+def test_the_usage_chart_renders_for_staff_and_no_one_else(new_page, live_service, django_user_model):
     entries(3, "a")
     entries(2, "b")
     django_user_model.objects.create_user("staff", password="pw-for-tests-only", is_staff=True)
     django_user_model.objects.create_user("plain", password="pw-for-tests-only")
-    page = sign_in(browser, live_service, "staff")
+    page = sign_in(new_page, live_service, "staff")
     page.wait_for_selector("#tokens-chart svg")
     assert page.locator("#tokens-chart svg rect").count() >= 2  # a bar per model on today
     assert "a" in page.text_content("#tokens-chart") and "b" in page.text_content("#tokens-chart")
-    other = sign_in(browser, live_service, "plain")
+    other = sign_in(new_page, live_service, "plain")
     assert other.locator("#tokens-chart").count() == 0 and "/admin/login/" in other.url
