@@ -226,7 +226,8 @@ def test_steering_marks_where_the_instruction_took_effect(browser):
     assert page.text_content(f"{REPLY} .steer-mark") == "↳ Then a storm came."
     entry = wait_for_entry(seconds=15)
     assert entry.steering_tokens > 0
-    turn = Turn.objects.get(role="assistant")
+    # The turn is settled, its steering with it, on request_finished: after the ledger entry.
+    turn = eventually(lambda: Turn.objects.exclude(finish_reason="").filter(role="assistant").first(), 15, message="the reply's turn was not settled")
     assert turn.steering[0]["text"] == " Then a storm came." and 0 < turn.steering[0]["at"] < len(turn.content)
 
 
