@@ -3,11 +3,13 @@ a Redis database and key prefix of their own."""
 
 import contextlib
 import os
-import time
 
 import pytest
 
 from tests.service import LiveService
+from tests.waiting import eventually
+
+pytest_plugins = ["tests.browser"]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -75,15 +77,15 @@ def wait_for_other_sessions_to_close(connection, seconds=10):
     be dropped once they are gone."""
     if connection.vendor != "postgresql":
         return
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+
+    def closed():
         with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
-            )
-            if cursor.fetchone()[0] == 0:
-                return
-        time.sleep(0.1)
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()")
+            return cursor.fetchone()[0] == 0
+
+    # Should they linger, dropping the database says so with PostgreSQL's own error.
+    with contextlib.suppress(AssertionError):
+        eventually(closed, seconds, interval=0.1, message="other sessions on the test database are still open")
 
 
 @pytest.fixture

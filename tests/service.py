@@ -3,12 +3,12 @@
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 
 from tests.settings import free_port
+from tests.waiting import eventually
 from tokstream_site import processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,15 +50,13 @@ class LiveService:
 
     def wait_healthy(self, timeout):
         """Until every web process answers and every worker has its model loaded."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for child in self.children:
-                if child.poll() is not None:
-                    raise RuntimeError(f"a service process exited early; see {self.logs}")
-            if all(self.healthy(url) for url in self.urls):
-                return
-            time.sleep(0.3)
-        raise RuntimeError(f"the service did not become healthy; see {self.logs}")
+        eventually(self.ready, timeout, interval=0.3, message=f"the service did not become healthy; see {self.logs}")
+
+    def ready(self):
+        for child in self.children:
+            if child.poll() is not None:
+                raise RuntimeError(f"a service process exited early; see {self.logs}")
+        return all(self.healthy(url) for url in self.urls)
 
     def healthy(self, url):
         try:
@@ -84,10 +82,4 @@ def wait_for_entry(seconds, **fields):
     """The ledger entry the worker writes when a request ends, once it is there."""
     from billing.models import UsageEntry
 
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        entry = UsageEntry.objects.filter(**fields).first()
-        if entry:
-            return entry
-        time.sleep(0.1)
-    raise AssertionError(f"no ledger entry with {fields} after {seconds} s")
+    return eventually(lambda: UsageEntry.objects.filter(**fields).first(), seconds, interval=0.1, message=f"no ledger entry with {fields}")

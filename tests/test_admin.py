@@ -6,12 +6,10 @@ import time
 from decimal import Decimal
 
 import pytest
-from django.db import connections
-from playwright.sync_api import sync_playwright
+from django.utils import timezone
 
 from billing import export, ledger
 from billing.models import ApiKey, PriceSheet, UsageEntry
-from tests.test_chat_page import CHROMIUM, FLAGS
 
 pytestmark = pytest.mark.django_db(transaction=True)
 CHANGELIST = "/admin/billing/usageentry/"
@@ -103,18 +101,8 @@ def test_the_usage_chart_draws_the_rest_daily_totals(admin_client):
         assert f"<title>{row['model']} {row['day']}: {float(row['cost'] or 0):g}</title>" in context["cost_chart"]  # unknown draws as 0
 
 
-@pytest.fixture
-def browser(live_service, monkeypatch):
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's loop runs in this thread
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        yield browser
-        browser.close()
-    connections.close_all()
-
-
-def sign_in(browser, service, username):
-    page = browser.new_page()
+def sign_in(new_page, service, username):
+    page = new_page()
     page.goto(f"{service.url}/admin/login/?next=/admin/billing/usageentry/usage/")
     page.fill("input[name=username]", username)
     page.fill("input[name=password]", "pw-for-tests-only")
@@ -122,14 +110,20 @@ def sign_in(browser, service, username):
     return page
 
 
-def test_the_usage_chart_renders_for_staff_and_no_one_else(browser, live_service, django_user_model):
-    entries(3, "a")
-    entries(2, "b")
+def test_the_usage_chart_shows_staff_each_model_s_tokens_per_day_and_no_one_else(new_page, live_service, django_user_model):
+    entries(3, "a")  # 3 × 10 prompt + 0 + 1 + 2 completion: 33 tokens
+    entries(2, "b")  # 2 × 10 prompt + 0 + 1 completion: 21 tokens
+    today = timezone.now().date().isoformat()
     django_user_model.objects.create_user("staff", password="pw-for-tests-only", is_staff=True)
     django_user_model.objects.create_user("plain", password="pw-for-tests-only")
-    page = sign_in(browser, live_service, "staff")
+    page = sign_in(new_page, live_service, "staff")
     page.wait_for_selector("#tokens-chart svg")
-    assert page.locator("#tokens-chart svg rect").count() >= 2  # a bar per model on today
-    assert "a" in page.text_content("#tokens-chart") and "b" in page.text_content("#tokens-chart")
-    other = sign_in(browser, live_service, "plain")
+    # Each bar's tooltip names its model, day and tokens; every other day of the 30 is empty.
+    bars = page.locator("#tokens-chart svg rect title").all_text_contents()
+    assert len(bars) == 2 * 30
+    assert [bar for bar in bars if not bar.endswith(": 0")] == [f"a {today}: 33", f"b {today}: 21"]
+    labels = page.locator("#tokens-chart svg text").all_text_contents()
+    assert labels[0] == "Tokens per day (max 54)" and labels[-2:] == ["■ a", "■ b"]
+    assert labels[-3] == today[5:]  # the last day on the axis is today
+    other = sign_in(new_page, live_service, "plain")
     assert other.locator("#tokens-chart").count() == 0 and "/admin/login/" in other.url

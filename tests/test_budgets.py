@@ -1,6 +1,5 @@
 """Budgets: admission holds each request's worst case, so concurrent requests cannot pass one."""
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 
@@ -11,6 +10,7 @@ from django.utils import timezone
 from billing import budgets
 from billing.models import ApiKey, Budget, PriceSheet, UsageEntry
 from tests.sse import MODEL, auth, chat_body
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -27,12 +27,12 @@ def post(service, raw, max_tokens):
 
 def settled(budget, key, admitted):
     """Once every admitted request has its entry and gave its hold back."""
-    for _ in range(300):
+
+    def done():
         budget.refresh_from_db()
-        if UsageEntry.objects.filter(api_key=key).count() == admitted and budget.reserved_tokens == 0:
-            return budget
-        time.sleep(0.1)
-    raise AssertionError("the holds were not given back")
+        return UsageEntry.objects.filter(api_key=key).count() == admitted and budget.reserved_tokens == 0 and budget
+
+    return eventually(done, 30, interval=0.1, message="the holds were not given back")
 
 
 def test_fifty_concurrent_requests_against_a_budget_for_ten_admit_at_most_ten(live_service, tokenizer):

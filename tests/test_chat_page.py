@@ -1,30 +1,23 @@
 """The chat page in a real headless Chromium, against the live service: the real model, and
 the echo model (tests/settings.py) where a test needs to script exactly what streams."""
 
-import shutil
-import time
 from datetime import timedelta
 from decimal import Decimal
 
 import httpx
 import pytest
-from django.db import connections
+from django.contrib.auth import get_user_model
 from django.utils import timezone
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
-from playwright.sync_api import sync_playwright
 
 from billing.models import PriceSheet, UsageEntry
 from inference.models import Chat, Turn
 from tests.proxy import CuttableProxy
 from tests.service import wait_for_entry
 from tests.sse import MODEL
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-FLAGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]  # fmt: skip
 REPLY = ".turn.assistant:last-of-type"
 LONG_STORY = "Write a very long story about a lighthouse keeper."
 
@@ -48,9 +41,8 @@ WATCH_REPLY = """() => {
 class Browser:
     """One signed-in page, with what it printed to its console."""
 
-    def __init__(self, pw, base_url):
-        self.browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        self.page = self.browser.new_page()
+    def __init__(self, page, base_url):
+        self.page = page
         self.errors = []
         self.requests = []
         self.page.on("console", lambda message: message.type == "error" and self.errors.append(message.text))
@@ -91,24 +83,14 @@ def wait_for_text(page, characters, seconds=30):
 
 
 @pytest.fixture
-def browser(live_service, transactional_db, monkeypatch):
-    yield from signed_in_browser(live_service.url, monkeypatch)
+def browser(live_service, transactional_db, new_page):
+    return chat_page(new_page, live_service.url)
 
 
-def signed_in_browser(url, monkeypatch):
-    from django.contrib.auth import get_user_model
-
-    # Playwright's sync API runs an event loop in this thread; the ORM calls of the test are
-    # still plain blocking calls, which Django would otherwise refuse.
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+def chat_page(new_page, base_url):
+    """The chat page at `base_url`, signed in as a user of its own."""
     get_user_model().objects.create_user("reader", password="pw-for-tests-only")
-    with sync_playwright() as pw:
-        browser = Browser(pw, url)
-        yield browser
-        browser.browser.close()
-        # Inside Playwright's loop the ORM opened a connection of its own; close it here, or
-        # the test database cannot be dropped at the end.
-        connections.close_all()
+    return Browser(new_page(), base_url)
 
 
 def price(model):
@@ -244,21 +226,22 @@ def test_steering_marks_where_the_instruction_took_effect(browser):
     assert page.text_content(f"{REPLY} .steer-mark") == "↳ Then a storm came."
     entry = wait_for_entry(seconds=15)
     assert entry.steering_tokens > 0
-    turn = Turn.objects.get(role="assistant")
+    # The turn is settled, its steering with it, on request_finished: after the ledger entry.
+    turn = eventually(lambda: Turn.objects.exclude(finish_reason="").filter(role="assistant").first(), 15, message="the reply's turn was not settled")
     assert turn.steering[0]["text"] == " Then a storm came." and 0 < turn.steering[0]["at"] < len(turn.content)
 
 
-def test_a_cut_connection_resumes_the_same_reply_without_a_gap_or_a_repeat(live_service, transactional_db, monkeypatch, api_key):
+def test_a_cut_connection_resumes_the_same_reply_without_a_gap_or_a_repeat(live_service, transactional_db, new_page, api_key):
     proxy = CuttableProxy(live_service.port)
     try:
-        for browser in signed_in_browser(proxy.url, monkeypatch):
-            page = browser.page
-            browser.send("Tell me about the moon.", temperature=0.8, seed=7, max_tokens=80)
-            wait_for_text(page, 10, seconds=60)
-            assert proxy.cut() >= 1
-            page.wait_for_function("() => document.querySelector('#status').textContent === 'reconnecting…'", timeout=10_000)
-            browser.wait_until_done()
-            shown = page.get_attribute(REPLY, "data-text")
+        browser = chat_page(new_page, proxy.url)
+        page = browser.page
+        browser.send("Tell me about the moon.", temperature=0.8, seed=7, max_tokens=80)
+        wait_for_text(page, 10, seconds=60)
+        assert proxy.cut() >= 1
+        page.wait_for_function("() => document.querySelector('#status').textContent === 'reconnecting…'", timeout=10_000)
+        browser.wait_until_done()
+        shown = page.get_attribute(REPLY, "data-text")
     finally:
         proxy.close()
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the moon."}], "temperature": 0.8, "seed": 7, "max_tokens": 80}
@@ -322,8 +305,8 @@ def test_leaving_the_page_cancels_the_reply(browser, live_service):
     entry = wait_for_entry(seconds=15)
     assert entry.status == "cancelled"
     assert entry.completion_tokens < 512
-    time.sleep(0.5)
-    assert Turn.objects.get(role="assistant").finish_reason == "cancelled"
+    # The chat page settles its turn after the ledger entry is written, on request_finished.
+    eventually(lambda: Turn.objects.get(role="assistant").finish_reason == "cancelled", 5, message="the turn was not marked cancelled")
 
 
 def below_view(page):

@@ -1,8 +1,6 @@
 """The chat page's conversations endpoints: refusals in the OpenAI error shape that leave
 nothing behind, ownership, and the history a reply is asked with."""
 
-import time
-
 import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
@@ -11,6 +9,7 @@ from inference import streamlog
 from inference.chat import conversations as chats
 from inference.models import Chat, Turn
 from tests.sse import MODEL
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -92,13 +91,11 @@ def test_the_page_needs_a_signed_in_user():
 
 
 def wait_until_settled(turn, seconds=30):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    def settled():
         turn.refresh_from_db()
-        if not turn.streaming:
-            return turn
-        time.sleep(0.1)
-    raise AssertionError("the reply was not settled")
+        return not turn.streaming and turn
+
+    return eventually(settled, seconds, interval=0.1, message="the reply was not settled")
 
 
 def test_a_second_message_waits_for_the_reply_and_then_carries_the_history(client, live_service):

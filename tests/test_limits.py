@@ -9,9 +9,13 @@ import pytest
 
 from billing.models import ApiKey
 from inference import streamlog
+from inference.gateway import limits
+from inference.gateway.admission import Owner
+from inference.protocol.errors import ApiError
 from tests.sse import MODEL, auth, chat_body, stream_chat
 
 pytestmark = pytest.mark.django_db(transaction=True)
+MINUTE = 60 * 1_000_000  # a minute in 1971: the tests that bring their own clock start on its first second
 
 
 def request_keys(redis_client):
@@ -25,11 +29,21 @@ def post(service, key, body):
 
 
 def limited_key(**limits):
-    if time.time() % 60 > 50:  # the window is the minute: do not let it turn mid-test
-        time.sleep(61 - time.time() % 60)
     key, raw = ApiKey.issue("limited")
     ApiKey.objects.filter(pk=key.pk).update(**limits)
     return raw
+
+
+def limited_owner(**limits):
+    key, _ = ApiKey.issue("limited here")
+    ApiKey.objects.filter(pk=key.pk).update(**limits)
+    return Owner.of_key(ApiKey.objects.get(pk=key.pk))
+
+
+def refusal(client, owner, tokens, now):
+    with pytest.raises(ApiError) as refused:
+        limits.check_rate(client, owner, tokens, now=now)
+    return refused.value
 
 
 def assert_refused(response, code, type):
@@ -39,21 +53,40 @@ def assert_refused(response, code, type):
     assert (error["code"], error["type"]) == (code, type)
 
 
-def test_requests_per_minute_are_limited(live_service, redis_client):
-    key = limited_key(requests_per_minute=2)
-    body = chat_body("Hi", max_tokens=2)
-    assert [post(live_service, key, body).status_code for _ in range(2)] == [200, 200]
+def test_requests_are_counted_per_minute_and_the_next_minute_starts_afresh(redis_client):
+    owner = limited_owner(requests_per_minute=2)
+    limits.check_rate(redis_client, owner, 1, now=MINUTE + 5)
+    limits.check_rate(redis_client, owner, 1, now=MINUTE + 40)
+    refused = refusal(redis_client, owner, 1, now=MINUTE + 45)
+    assert (refused.status, refused.code, refused.type) == (429, "rate_limit_exceeded", "requests")
+    assert refused.headers == {"Retry-After": "15"}  # the rest of the minute
+    limits.check_rate(redis_client, owner, 1, now=MINUTE + 60)
+
+
+def test_tokens_are_counted_per_minute_and_a_refusal_counts_nothing(redis_client):
+    owner = limited_owner(tokens_per_minute=100)
+    limits.check_rate(redis_client, owner, 60, now=MINUTE)
+    refused = refusal(redis_client, owner, 41, now=MINUTE + 59.5)
+    assert (refused.code, refused.type, refused.headers) == ("rate_limit_exceeded", "tokens", {"Retry-After": "1"})
+    limits.check_rate(redis_client, owner, 40, now=MINUTE + 59.5)
+    limits.check_rate(redis_client, owner, 100, now=MINUTE + 60)
+
+
+# Against the live service, whichever minute it is: a limit no request fits, or one met exactly.
+def test_a_request_over_its_rate_is_refused_and_leaves_nothing_queued(live_service, redis_client):
+    key = limited_key(requests_per_minute=0)
     before = request_keys(redis_client)
-    assert_refused(post(live_service, key, body), "rate_limit_exceeded", "requests")
+    assert_refused(post(live_service, key, chat_body("Hi", max_tokens=2)), "rate_limit_exceeded", "requests")
     assert request_keys(redis_client) == before  # nothing was queued for it
 
 
-def test_tokens_per_minute_count_the_prompt_and_the_completion_budget(live_service, redis_client):
-    key = limited_key(tokens_per_minute=100)
-    assert post(live_service, key, chat_body("Hi", max_tokens=10)).status_code == 200
+def test_tokens_per_minute_count_the_prompt_and_the_completion_budget(live_service, redis_client, tokenizer):
+    prompt = len(tokenizer.apply_chat_template(chat_body("Hi")["messages"], add_generation_prompt=True))
+    key = limited_key(tokens_per_minute=prompt + 10)
     before = request_keys(redis_client)
-    assert_refused(post(live_service, key, chat_body("Hi", max_tokens=90)), "rate_limit_exceeded", "tokens")
+    assert_refused(post(live_service, key, chat_body("Hi", max_tokens=11)), "rate_limit_exceeded", "tokens")
     assert request_keys(redis_client) == before
+    assert post(live_service, key, chat_body("Hi", max_tokens=10)).status_code == 200  # exactly the limit
 
 
 @pytest.fixture

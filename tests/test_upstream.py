@@ -14,7 +14,7 @@ from billing.models import ApiKey, UsageEntry, hash_key
 from tests.conftest import separate_service
 from tests.service import wait_for_entry
 from tests.sse import MODEL, auth, chat_body, content_of, events
-from tests.test_chat_page import REPLY, signed_in_browser
+from tests.test_chat_page import REPLY, chat_page
 
 pytestmark = pytest.mark.django_db(transaction=True)
 UPSTREAM_KEY = "tsk-upstream-key-for-tests-only"
@@ -142,14 +142,14 @@ def test_an_upstream_that_does_not_answer_in_time_ends_the_stream(front, api_key
     assert wait_for_entry(seconds=10, model="vendor").status == "failed"
 
 
-def test_the_chat_page_streams_an_upstream_model(front, monkeypatch):
-    for browser in signed_in_browser(front.url, monkeypatch):
-        browser.send("Say hello.", model="vendor")
-        browser.wait_until_done()
-        assert browser.page.get_attribute(REPLY, "data-text") == "Hello there"
-        browser.page.wait_for_selector(f"{REPLY} .meta .usage")
-        entry = UsageEntry.objects.get(model="vendor")
-        assert browser.page.text_content(f"{REPLY} .meta .usage").startswith(f"{entry.prompt_tokens} prompt + 2 completion")
+def test_the_chat_page_streams_an_upstream_model(front, new_page):
+    browser = chat_page(new_page, front.url)
+    browser.send("Say hello.", model="vendor")
+    browser.wait_until_done()
+    assert browser.page.get_attribute(REPLY, "data-text") == "Hello there"
+    browser.page.wait_for_selector(f"{REPLY} .meta .usage")
+    entry = UsageEntry.objects.get(model="vendor")
+    assert browser.page.text_content(f"{REPLY} .meta .usage").startswith(f"{entry.prompt_tokens} prompt + 2 completion")
 
 
 def test_tokenize_agrees_with_the_ledger_for_an_upstream_model(front, api_key, upstream_key):

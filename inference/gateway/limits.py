@@ -24,11 +24,12 @@ return 0
 """
 
 
-def check_rate(client, owner, tokens):
-    """Count a request of `tokens` (prompt + max_tokens) against its key's limits, or refuse it."""
+def check_rate(client, owner, tokens, now=None):
+    """Count a request of `tokens` (prompt + max_tokens) against its key's limits, or refuse it.
+    `now` (seconds since the epoch) is for tests that cross a minute without waiting for one."""
     if owner.requests_per_minute is None and owner.tokens_per_minute is None:
         return
-    now = time.time()
+    now = time.time() if now is None else now
     window = f"{settings.TOKSTREAM_REDIS_PREFIX}:rate:{owner.label}:{int(now // 60)}"
     limits = [-1 if limit is None else limit for limit in (owner.requests_per_minute, owner.tokens_per_minute)]
     refused = client.eval(RATE_SCRIPT, 2, f"{window}:requests", f"{window}:tokens", *limits, tokens)

@@ -1,13 +1,12 @@
 """The fault suite: live processes on the shipped timing settings, real Redis, the test
 database. Each test says what a user would notice."""
 
-import time
-
 import pytest
 
 from billing.models import ApiKey, Budget, UsageEntry
-from inference.gateway import limits
+from inference import streamlog
 from tests.sse import MODEL
+from tests.waiting import eventually
 
 
 @pytest.fixture
@@ -19,28 +18,31 @@ def budgeted(transactional_db):
     return key, raw, budget
 
 
-def rows_for(request_ids, seconds, statuses=None):
+def rows_for(request_ids, seconds):
     """Wait until every request has its ledger row; return {request id: [rows]}."""
-    deadline = time.monotonic() + seconds
-    while True:
-        rows = {r: list(UsageEntry.objects.filter(request_id=r)) for r in request_ids}
-        if all(rows.values()) or time.monotonic() > deadline:
-            missing = [r for r, found in rows.items() if not found]
-            assert not missing, f"{len(missing)} of {len(request_ids)} requests have no ledger row after {seconds} s"
-            return rows
-        time.sleep(0.5)
+
+    def rows():
+        return {r: list(UsageEntry.objects.filter(request_id=r)) for r in request_ids}
+
+    def every_row():
+        found = rows()
+        return found if all(found.values()) else None
+
+    def missing():
+        return f"{sum(not found for found in rows().values())} of {len(request_ids)} requests have no ledger row"
+
+    return eventually(every_row, seconds, interval=0.5, message=missing)
 
 
 def holds_back(budget, seconds=30):
     """The budget's holds, once every request ended: all given back."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+
+    def given_back():
         budget.refresh_from_db()
-        if budget.reserved_tokens == 0:
-            return True
-        time.sleep(0.5)
-    return False
+        return budget.reserved_tokens == 0
+
+    return eventually(given_back, seconds, interval=0.5, message=lambda: f"the budget still holds {budget.reserved_tokens} tokens")
 
 
 def queue_empty(client, model=MODEL):
-    return client.zcard(limits.queue_key(model)) == 0
+    return client.zcard(streamlog.queue_key(model)) == 0

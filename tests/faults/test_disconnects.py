@@ -2,7 +2,6 @@
 free again for the next one."""
 
 import json
-import time
 
 import pytest
 
@@ -10,6 +9,7 @@ from inference import streamlog
 from tests.faults.conftest import holds_back, queue_empty, rows_for
 from tests.faults.streams import body, record, record_many
 from tests.faults.test_worker_killed import ESSAY
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -30,10 +30,9 @@ def test_a_disconnect_storm_cancels_everything_and_frees_every_slot(live_service
 
 def engines_idle(client, seconds=30):
     """The workers' heartbeats say nothing runs or waits (they beat every few seconds)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+
+    def idle():
         beats = streamlog.live_beats(streamlog.workers(client))
-        if beats and all(beat["running"] == 0 and beat["waiting"] == 0 for beat in beats):
-            return True
-        time.sleep(0.5)
-    raise AssertionError(f"engines still busy: {json.dumps(streamlog.workers(client))}")
+        return beats and all(beat["running"] == 0 and beat["waiting"] == 0 for beat in beats)
+
+    return eventually(idle, seconds, interval=0.5, message=lambda: f"engines still busy: {json.dumps(streamlog.workers(client))}")

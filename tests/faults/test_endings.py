@@ -17,7 +17,7 @@ from inference.worker import tasks
 from tests.conftest import separate_service
 from tests.faults.conftest import holds_back, rows_for
 from tests.faults.streams import body, record
-from tests.faults.test_worker_killed import ESSAY
+from tests.faults.test_worker_killed import ESSAY, wait_for_requests, wait_until_running
 from tests.sse import MODEL
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -36,7 +36,8 @@ def test_a_request_past_its_queue_deadline_fails_unrun(one_slot, budgeted):
     first = []
     runner = threading.Thread(target=lambda: first.append(record(one_slot.url, key, body(ESSAY, max_tokens=1500), leave_after=45)))
     runner.start()
-    time.sleep(2)
+    client = streamlog._sync_client(one_slot.env["TEST_REDIS_URL"])
+    wait_until_running(client, wait_for_requests(key, 1), 1)  # the one slot is taken: the next request waits
     late = record(one_slot.url, key, body("Name a fruit.", max_tokens=8))
     assert late.done and late.error["code"] == "queue_timeout" and late.text == ""
     assert late.usage["completion_tokens"] == 0
@@ -45,7 +46,6 @@ def test_a_request_past_its_queue_deadline_fails_unrun(one_slot, budgeted):
     runner.join()
     rows_for([first[0].request_id], seconds=30)
     time.sleep(3)  # the worker has taken the late task by now: it found it ended
-    client = streamlog._sync_client(one_slot.env["TEST_REDIS_URL"])
     assert [e.t for _, e in streamlog.read_all(client, late.request_id)] == ["open", "end"]
     assert UsageEntry.objects.filter(request_id=late.request_id).count() == 1
     assert holds_back(budget)
@@ -96,8 +96,24 @@ def admitted_here(tokenizer, content):
     key = ApiKey.objects.latest("pk")
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
     request_id = f"chatcmpl-failing-{time.time_ns()}"
-    task = {"request_id": request_id, "model": MODEL, "prompt_ids": prompt, "params": {"max_tokens": 40, "temperature": 0}, "received_at": time.time(), "api_key_id": key.pk, "prompt_tokens": len(prompt)}
-    PendingRequest.objects.create(request_id=request_id, keyspace=streamlog.keyspace(), model=MODEL, api_key_id=key.pk, prompt_tokens=len(prompt), received_at=task["received_at"], task=task)
+    task = {
+        "request_id": request_id,
+        "model": MODEL,
+        "prompt_ids": prompt,
+        "params": {"max_tokens": 40, "temperature": 0},
+        "received_at": time.time(),
+        "api_key_id": key.pk,
+        "prompt_tokens": len(prompt),
+    }
+    PendingRequest.objects.create(
+        request_id=request_id,
+        keyspace=streamlog.keyspace(),
+        model=MODEL,
+        api_key_id=key.pk,
+        prompt_tokens=len(prompt),
+        received_at=task["received_at"],
+        task=task,
+    )
     meta = {**Admitted(request_id, MODEL, int(time.time()), len(prompt), 1, task["received_at"]).meta(Owner(api_key_id=key.pk)), "deadline": time.time() + 600}
     streamlog.admit(streamlog.sync_client(), request_id, meta, Open())
     return task

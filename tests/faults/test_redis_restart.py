@@ -15,6 +15,7 @@ from tests.faults.conftest import holds_back, rows_for
 from tests.faults.streams import body, record, record_many
 from tests.faults.test_worker_killed import ESSAY, wait_for_requests, wait_until_running
 from tests.settings import free_port
+from tests.waiting import eventually
 from tokstream_site import processes
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -72,10 +73,8 @@ def test_a_redis_restart_ends_every_stream_and_loses_no_row(service, own_redis, 
 
 
 def answers_again(service, key, seconds=60):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    def answered():
         fresh = record(service.url, key, body("Name a fruit.", max_tokens=8))
-        if fresh.done and fresh.error is None and fresh.text:
-            return True
-        time.sleep(2)
-    return False
+        return fresh.done and fresh.error is None and fresh.text
+
+    return eventually(answered, seconds, interval=2, message="the service did not answer again after the restart")

@@ -18,6 +18,7 @@ from tests.conftest import separate_service
 from tests.faults.conftest import holds_back, queue_empty, rows_for
 from tests.faults.streams import body, record, record_many
 from tests.sse import MODEL
+from tests.waiting import eventually
 from tokstream_site import processes
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -92,22 +93,20 @@ def wait_for_requests(key, count, seconds=60):
     from billing.models import ApiKey
 
     key_id = ApiKey.authenticate(key).pk
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+
+    def admitted():
         ids = list(PendingRequest.objects.filter(api_key_id=key_id).values_list("request_id", flat=True))
-        if len(ids) >= count:
-            return ids
-        time.sleep(0.2)
-    raise AssertionError(f"fewer than {count} requests were admitted")
+        return ids if len(ids) >= count else None
+
+    return eventually(admitted, seconds, message=f"fewer than {count} requests were admitted")
 
 
 def wait_until_running(client, ids, count, seconds=120):
     """Until `count` requests have produced text: their ids."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+
+    def producing():
         running = [r for r, state in states(client, ids).items() if state.startswith(lifecycle.RUNNING)]
-        producing = [r for r in running if client.xlen(streamlog.key(r, "log")) > 2]
-        if len(producing) >= count:
-            return producing
-        time.sleep(0.2)
-    raise AssertionError(f"fewer than {count} requests started")
+        found = [r for r in running if client.xlen(streamlog.key(r, "log")) > 2]
+        return found if len(found) >= count else None
+
+    return eventually(producing, seconds, message=f"fewer than {count} requests started")
