@@ -1,20 +1,21 @@
-"""Bad requests get the OpenAI error shape and leave nothing behind: no task, no row, no keys."""
+"""Bad requests get the OpenAI error shape and leave nothing behind: no task, no row, no keys.
+They are refused before anything is queued, so the apps answer them here, in this process."""
 
 import json
 import os
 
-import httpx
 import pytest
 
 from billing.models import UsageEntry
+from tests import asgi
 from tests.sse import MODEL, auth, chat_body
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
-def post(live_service, api_key, redis_client):
-    """POST a raw body; assert the error shape and that nothing was written."""
+def post(api_key, redis_client):
+    """POST a raw body to /v1/chat/completions; assert the error shape and that nothing was written."""
 
     def request_keys():
         prefix = os.environ["TOKSTREAM_REDIS_PREFIX"]
@@ -23,9 +24,9 @@ def post(live_service, api_key, redis_client):
     def post(body, status, headers=None, **expected):
         keys_before, rows_before = request_keys(), UsageEntry.objects.count()
         headers = {"Content-Type": "application/json", **auth(api_key), **(headers or {})}
-        response = httpx.post(f"{live_service.url}/v1/chat/completions", content=body, headers=headers, timeout=30)
-        assert response.status_code == status, response.text
-        error = response.json()["error"]
+        answered, content = asgi.post_chat(body, headers)
+        assert answered == status, content
+        error = json.loads(content)["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
         for name, value in expected.items():
             assert error[name] == value
@@ -135,8 +136,8 @@ def test_it_refuses_a_wrong_key(post):
     post(json_body(**chat_body("hi")), 401, headers={"Authorization": "Bearer tsk-not-a-key"}, code="invalid_api_key")
 
 
-def test_models_need_a_key(live_service):
-    response = httpx.get(f"{live_service.url}/v1/models")
+def test_models_need_a_key(client):
+    response = client.get("/v1/models")
     assert response.status_code == 401
     assert response.json()["error"]["code"] == "invalid_api_key"
 

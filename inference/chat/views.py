@@ -15,7 +15,7 @@ from inference.gateway.admission import Owner, admit
 from inference.gateway.views import cancel, error_response, steer, steering_text
 from inference.models import Chat
 from inference.protocol import chat_request
-from inference.protocol.errors import ApiError, invalid, not_found, too_large
+from inference.protocol.errors import ApiError, not_found, too_large
 
 # The page runs only its own script: model output that slipped through the sanitizer still
 # could not run, load a remote image or send anything anywhere.
@@ -58,10 +58,7 @@ def session_api_view(view, method):
 
 
 def json_body(request):
-    body = chat_request.json_of(request.body or b"{}")
-    if not isinstance(body, dict):
-        raise invalid("The body must be a JSON object.")
-    return body
+    return chat_request.json_object(request.body or b"{}")
 
 
 def owned_chat(user, chat_id):

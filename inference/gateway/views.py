@@ -1,7 +1,6 @@
 """Plain Django views: the model list, health, metrics, and cancel and steer by request id."""
 
 import functools
-import json
 import logging
 
 from django.conf import settings
@@ -16,7 +15,7 @@ from inference import backends, metrics, registry, streamlog
 from inference.gateway import prompt_count
 from inference.gateway.admission import owned_meta
 from inference.gateway.auth import required_owner
-from inference.protocol.chat_request import is_text
+from inference.protocol.chat_request import is_text, json_object
 from inference.protocol.errors import (
     ApiError,
     invalid,
@@ -147,10 +146,7 @@ def steer(owner, request_id, text):
 
 
 def steering_text(body):
-    try:
-        content = json.loads(body).get("content")
-    except (ValueError, AttributeError, RecursionError):
-        raise invalid("The body must be a JSON object with `content`.") from None
+    content = json_object(body, "The body must be a JSON object with `content`.").get("content")
     if not isinstance(content, str) or not content.strip() or len(content) > MAX_STEER_CHARS or not is_text(content):
         raise invalid(f"`content` must be non-empty text of at most {MAX_STEER_CHARS} characters.", param="content")
     return content

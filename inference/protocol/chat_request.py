@@ -1,22 +1,39 @@
-"""Parse and check a chat completion request body before anything is written or queued."""
+"""Parse and check a chat completion request body before anything is written or queued.
+
+The body's shape is OpenAI's request schema, as pydantic models in strict mode: "1" is not an
+integer, true is not a number, 1.0 is not an integer. Before them, a walk over the whole
+document refuses what JSON can carry but nothing after us can keep; after them, the rules that
+tie one field to another."""
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    WrapValidator,
+    field_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from inference import backends, registry
 from inference.protocol.errors import ApiError, invalid, not_found
 
-ROLES = {"system", "developer", "user", "assistant", "tool"}
+ROLES = ("assistant", "developer", "system", "tool", "user")
+ROLE_RULE = f"must be one of {', '.join(ROLES)}."
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16
-FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # pydantic's regex: $ is the end of the text, a trailing newline does not pass
 MAX_BEAM_WIDTH = 8
 # No chat request needs more; deeper, copying the body (json.dumps, Celery) can run out of stack.
 MAX_DEPTH = 64
-TOKEN_ID = re.compile(r"[0-9]{1,9}")  # ASCII digits only: str.isdigit() also takes "²" and "①"
+TOKEN_ID = r"^[0-9]{1,9}$"  # ASCII digits only: str.isdigit() would also take "²" and "①"
 TEXT_RULE = "no NUL character and no lone surrogate (half of a UTF-16 pair)."
 MAX_SEED = 2**64  # the engine takes a seed modulo 2**64; a bigger one is a client's mistake
 # What beam search cannot honour, with the values that mean "not asked for".
@@ -27,6 +44,22 @@ BEAM_SEARCH_EXCLUDES = {
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "repetition_penalty": 1.0,
+}
+# What pydantic's own error types mean, said after the field's name.
+PHRASES = {
+    "missing": "is required.",
+    "bool_type": "must be a boolean.",
+    "int_type": "must be an integer.",
+    "float_type": "must be a number.",
+    "string_type": "must be a string.",
+    "model_type": "must be an object.",
+    "dict_type": "must be an object.",
+    "list_type": "must be an array.",
+    "extra_forbidden": "is not an option of this server.",
+    "greater_than_equal": "must be at least {ge}; got {input}.",
+    "greater_than": "must be greater than {gt}; got {input}.",
+    "less_than_equal": "must be at most {le}; got {input}.",
+    "less_than": "must be less than {lt}; got {input}.",
 }
 
 
@@ -45,30 +78,297 @@ class ChatRequest:
     original_messages: list[dict] = field(default_factory=list)  # as the client sent them: what an upstream gets
 
 
+# -- how an error is told ---------------------------------------------------------------------
+
+
+def expected(phrase, inside_too=True):
+    """Any error in the field becomes one error of the field, saying what it takes: a client
+    learns the rule, not which branch of a union failed. With inside_too=False the errors of
+    its items stay theirs (messages.[2].content), and only errors of the value itself are told."""
+
+    def validate(value, handler):
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            if not inside_too and any(error["loc"] for error in exc.errors()):
+                raise
+            raise PydanticCustomError("expected", phrase) from None
+
+    return WrapValidator(validate)
+
+
+def error_at(loc, phrase, value):
+    """An error of a part of `value` (named by `loc`) rather than of the value itself."""
+    return ValidationError.from_exception_data("ChatRequest", [InitErrorDetails(type=PydanticCustomError("expected", phrase), loc=loc, input=value)])
+
+
+def refusal(exc):
+    """The first of pydantic's errors (fields are checked in the order they are declared), as
+    our OpenAI-shaped 400; an unknown model is a 404."""
+    error = exc.errors(include_url=False)[0]
+    param = param_of(error["loc"])
+    if error["type"] == "model_not_found":
+        return not_found(error["msg"], code="model_not_found", param=param)
+    return invalid(f"`{param}` {phrase_of(error)}", param=param)
+
+
+def param_of(loc):
+    """A pydantic location as this API has always named params: messages.[2].content."""
+    return ".".join(part if isinstance(part, str) else f"[{part}]" for part in loc) or "body"
+
+
+def phrase_of(error):
+    template = PHRASES.get(error["type"])
+    if template is None:
+        return error["msg"] if error["type"] == "expected" else f"is not valid: {error['msg']}."
+    return template.format(input=error.get("input"), **error.get("ctx", {}))
+
+
+# -- the body, as OpenAI's schema has it ------------------------------------------------------
+
+
+class Strict(BaseModel):
+    """Types as JSON has them, never coerced; fields this server does not read are ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class NullMeansDefault(Strict):
+    """A field sent as null is a field not given, as OpenAI's clients send them; not `value or
+    default`, which took a wrong type that happens to be falsy (0, "", [], false) for "not given"."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def null_is_not_given(cls, value, info):
+        definition = cls.model_fields[info.field_name]
+        if value is None and not definition.is_required():
+            return definition.get_default(call_default_factory=True)
+        return value
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+Content = Annotated[str | list[TextPart] | None, expected("must be a string or an array of text parts.")]
+
+
+class Message(Strict):
+    """A system, developer, user or tool message: its role and its text are all this server reads."""
+
+    role: Annotated[Literal[ROLES], expected(ROLE_RULE)]
+    content: Content = None
+
+
+class CalledFunction(Strict):
+    name: str = ""
+    arguments: Any = None  # shown to the model as JSON when it parses as JSON, else as written
+
+
+class ToolCall(Strict):
+    function: CalledFunction
+
+
+class AssistantMessage(Message):
+    tool_calls: Annotated[list[ToolCall], expected("must be a list of function calls.")] | None = None
+
+
+def message_by_role(value):
+    """An assistant's message is read with its calls; a message that is not an object has no role."""
+    if not isinstance(value, dict):
+        raise error_at(("role",), ROLE_RULE, value)
+    return (AssistantMessage if value.get("role") == "assistant" else Message).model_validate(value)
+
+
+Messages = Annotated[list[Annotated[Message, PlainValidator(message_by_role)]], Field(min_length=1), expected("must be a non-empty array.", inside_too=False)]
+
+
+class FunctionDefinition(Strict):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    parameters: dict = Field(default_factory=dict)
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class StreamOptions(NullMeansDefault):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class Extension(NullMeansDefault):
+    """Our own options, under `tokstream` so that no OpenAI parameter is shadowed."""
+
+    model_config = ConfigDict(extra="forbid")
+    beam_width: Annotated[int, Field(ge=1, le=MAX_BEAM_WIDTH)] = 1
+    detach_on_disconnect: bool = False
+
+
+StopText = Annotated[str, Field(min_length=1)]
+
+
+class Body(NullMeansDefault):
+    """POST /v1/chat/completions. The fields are in the order their errors are told: the model
+    first (an unknown one is a 404 whatever else is wrong), then OpenAI's and vLLM's parameters."""
+
+    model: Annotated[str, Field(min_length=1), expected("must be a non-empty string.")]
+    messages: Messages
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's older name for max_completion_tokens
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    tools: Annotated[list[Tool], expected('must be a list of {"type": "function", "function": {"name", "description", "parameters"}}.')] = Field(
+        default_factory=list
+    )
+    tool_choice: Annotated[Literal["auto", "none"], expected('must be "auto" or "none": other choices are not supported.')] = "auto"
+    tokstream: Extension = Field(default_factory=Extension)
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # -1 and 0 are both "off"
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    logit_bias: Annotated[
+        dict[Annotated[str, Field(pattern=TOKEN_ID)], Annotated[float, Field(ge=-100.0, le=100.0)]],
+        expected("must map token ids (strings of digits) to numbers in [-100, 100]."),
+    ] = Field(default_factory=dict)
+    seed: Annotated[int, Field(gt=-MAX_SEED, lt=MAX_SEED), expected("must be an integer within a 64-bit integer's range.")] | None = None
+    stop: Annotated[StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)], expected(f"must be a non-empty string or up to {MAX_STOP} of them.")] = (
+        Field(default_factory=list)
+    )
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    @field_validator("model")
+    @classmethod
+    def model_exists(cls, name):
+        if not registry.exists(name):
+            raise PydanticCustomError("model_not_found", "The model `{name}` does not exist.", {"name": name})
+        return name
+
+    @field_validator("logit_bias")
+    @classmethod
+    def in_the_vocabulary(cls, bias, info):
+        """Only a known model has a vocabulary; an unknown one is told of first."""
+        model = info.data.get("model")
+        vocabulary = backends.of(model).vocabulary_size() if bias and model else 0
+        for token in bias:
+            if int(token) >= vocabulary:
+                raise PydanticCustomError("expected", "has {token}, which is not a token id of this model.", {"token": repr(token)})
+        return bias
+
+
+# -- parse ------------------------------------------------------------------------------------
+
+
 def parse(body, content_type):
     if content_type.split(";")[0].strip().lower() != "application/json":
         raise invalid("Content-Type must be application/json.")
+    data = json_object(body)
+    check_values(data)
+    try:
+        checked = Body.model_validate(data)
+    except ValidationError as exc:
+        raise refusal(exc) from None
+    check_combinations(checked)
+    return chat_of(checked, data)
+
+
+def chat_of(body, data):
+    options = body.stream_options or StreamOptions()
+    return ChatRequest(
+        model=body.model,
+        messages=[message_of(m) for m in body.messages],
+        stream=body.stream,
+        include_usage=options.include_usage,
+        continuous_usage=options.continuous_usage_stats,
+        max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+        n=body.n,
+        tools=data["tools"] if body.tools and body.tool_choice == "auto" else [],  # as sent: the prompt and an upstream show them
+        detach=body.tokstream.detach_on_disconnect,
+        sampling=sampling_of(body),
+        original_messages=data["messages"],
+    )
+
+
+def sampling_of(body):
+    """OpenAI's sampling parameters, and vLLM's top_k, min_p and repetition_penalty."""
+    return {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": max(body.top_k, 0),
+        "min_p": body.min_p,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "logit_bias": {int(token): value for token, value in body.logit_bias.items()},
+        "seed": body.seed,
+        "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
+        "logprobs": body.logprobs,
+        "top_logprobs": body.top_logprobs or 0,
+        "beam_width": body.tokstream.beam_width,
+    }
+
+
+def message_of(message):
+    checked = {"role": "system" if message.role == "developer" else message.role, "content": content_text(message.content)}
+    if getattr(message, "tool_calls", None) is not None:
+        checked["tool_calls"] = [{"name": call.function.name, "arguments": arguments_of(call.function.arguments)} for call in message.tool_calls]
+    return checked
+
+
+def content_text(content):
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
+def arguments_of(text):
+    """Arguments that parse (sanely) as JSON are shown to the model as JSON; others as written."""
+    try:
+        arguments = json.loads(text) if isinstance(text, str) else text
+    except (ValueError, RecursionError):
+        return text
+    return text if first_problem(arguments) else arguments
+
+
+def check_combinations(body):
+    """What no single field can say wrong about itself."""
+    if body.stream_options is not None and not body.stream:
+        raise invalid("`stream_options` is only allowed when `stream` is true.", param="stream_options")
+    if body.top_logprobs and not body.logprobs:
+        raise invalid("`top_logprobs` needs `logprobs: true`.", param="top_logprobs")
+    check_beam_search(body)
+
+
+def check_beam_search(body):
+    """Beam search is deterministic and keeps whole sequences: say what it cannot do rather
+    than drop it silently. (temperature, top_p, top_k, min_p and seed do not apply to it.)"""
+    if body.tokstream.beam_width == 1:
+        return
+    if body.n != 1:
+        raise invalid("`n` cannot be combined with `tokstream.beam_width`.", param="n")
+    sampling = sampling_of(body)
+    for name, neutral in BEAM_SEARCH_EXCLUDES.items():
+        if sampling[name] != neutral:
+            raise invalid(f"`{name}` cannot be combined with `tokstream.beam_width`.", param=name)
+
+
+# -- the JSON document ------------------------------------------------------------------------
+
+
+def json_object(body, message="The body must be a JSON object."):
+    """The body as a dict: every JSON endpoint of ours takes an object."""
     data = json_of(body)
     if not isinstance(data, dict):
-        raise invalid("The body must be a JSON object.")
-    check_values(data)
-    if data.get("stream_options") is not None and not data.get("stream"):
-        raise invalid("`stream_options` is only allowed when `stream` is true.", param="stream_options")
-    chat = ChatRequest(  # keyword arguments run in order: the model is known before its vocabulary is needed
-        model=model_of(data),
-        messages=messages_of(data),
-        stream=boolean(data, "stream", False),
-        include_usage=stream_option(data, "include_usage"),
-        continuous_usage=stream_option(data, "continuous_usage_stats"),
-        max_tokens=max_tokens_of(data),
-        n=n_of(data),
-        tools=tools_of(data),
-        detach=boolean(extension_of(data), "detach_on_disconnect", False, param="tokstream.detach_on_disconnect"),
-        sampling=sampling_of(data),
-    )
-    check_beam_search(chat)
-    chat.original_messages = data["messages"]
-    return chat
+        raise invalid(message)
+    return data
 
 
 def json_of(body):
@@ -84,7 +384,8 @@ def check_values(data):
     """Refuse what JSON can carry but nothing after us can use: NaN and infinities (Python's
     json reads them, and NaN slips through every range check since it compares false), lone
     surrogates (they have no UTF-8: the tokenizer and Redis fail on them), NUL (PostgreSQL's
-    text and jsonb cannot hold it) and deep nesting."""
+    text and jsonb cannot hold it) and deep nesting. In every field, those we do not read too
+    (`user`, a tool's schema): they are stored and sent on."""
     problem = first_problem(data)
     if problem:
         param, message = problem
@@ -134,244 +435,6 @@ def is_text(text):
     return True
 
 
-def sampling_of(data):
-    """OpenAI's sampling parameters, and vLLM's top_k, min_p and repetition_penalty."""
-    return {
-        "temperature": number(data, "temperature", 1.0, 0.0, 2.0),
-        "top_p": number(data, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        "top_k": top_k_of(data),
-        "min_p": number(data, "min_p", 0.0, 0.0, 1.0),
-        "presence_penalty": number(data, "presence_penalty", 0.0, -2.0, 2.0),
-        "frequency_penalty": number(data, "frequency_penalty", 0.0, -2.0, 2.0),
-        "repetition_penalty": number(data, "repetition_penalty", 1.0, 0.0, 2.0, low_open=True),
-        "logit_bias": logit_bias_of(data),
-        "seed": seed_of(data),
-        "stop": stop_of(data),
-        **logprobs_of(data),
-        "beam_width": beam_width_of(data),
-    }
-
-
-def extension_of(data):
-    """Our own options, under `tokstream` so that no OpenAI parameter is shadowed."""
-    options = present(data, "tokstream", {})
-    if not isinstance(options, dict):
-        raise invalid("`tokstream` must be an object.", param="tokstream")
-    unknown = sorted(set(options) - {"beam_width", "detach_on_disconnect"})
-    if unknown:
-        raise invalid(f"`tokstream.{unknown[0]}` is not an option of this server.", param=f"tokstream.{unknown[0]}")
-    return options
-
-
-def beam_width_of(data):
-    width = extension_of(data).get("beam_width", 1)
-    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= MAX_BEAM_WIDTH:
-        raise invalid(f"`tokstream.beam_width` must be an integer in [1, {MAX_BEAM_WIDTH}]; got {width!r}.", param="tokstream.beam_width")
-    return width
-
-
-def check_beam_search(chat):
-    """Beam search is deterministic and keeps whole sequences: say what it cannot do rather
-    than drop it silently. (temperature, top_p, top_k, min_p and seed do not apply to it.)"""
-    if chat.sampling["beam_width"] == 1:
-        return
-    if chat.n != 1:
-        raise invalid("`n` cannot be combined with `tokstream.beam_width`.", param="n")
-    for name, neutral in BEAM_SEARCH_EXCLUDES.items():
-        if chat.sampling[name] != neutral:
-            raise invalid(f"`{name}` cannot be combined with `tokstream.beam_width`.", param=name)
-
-
-def logprobs_of(data):
-    wanted = boolean(data, "logprobs", False)
-    top = integer(data, "top_logprobs", None)
-    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise invalid(f"`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}]; got {top}.", param="top_logprobs")
-    if top and not wanted:
-        raise invalid("`top_logprobs` needs `logprobs: true`.", param="top_logprobs")
-    return {"logprobs": wanted, "top_logprobs": top or 0}
-
-
-def seed_of(data):
-    seed = integer(data, "seed", None)
-    if seed is not None and not -MAX_SEED < seed < MAX_SEED:
-        raise invalid("`seed` must be within a 64-bit integer's range.", param="seed")
-    return seed
-
-
-def top_k_of(data):
-    value = integer(data, "top_k", 0)
-    if value is not None and value < -1:
-        raise invalid(f"`top_k` must be -1 or 0 (off), or at least 1; got {value}.", param="top_k")
-    return max(value or 0, 0)
-
-
-def logit_bias_of(data):
-    bias = present(data, "logit_bias", {})
-    if not isinstance(bias, dict):
-        raise invalid("`logit_bias` must map token ids to numbers.", param="logit_bias")
-    vocabulary = backends.of(data["model"]).vocabulary_size() if bias else 0
-    checked = {}
-    for token, value in bias.items():
-        if not TOKEN_ID.fullmatch(token) or int(token) >= vocabulary:
-            raise invalid(f"`logit_bias` has {token!r}, which is not a token id of this model.", param="logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise invalid(f"`logit_bias` values must be numbers in [-100, 100]; got {value!r}.", param="logit_bias")
-        checked[int(token)] = float(value)
-    return checked
-
-
-def model_of(data):
-    name = data.get("model")
-    if not isinstance(name, str) or not name:
-        raise invalid("`model` is required and must be a string.", param="model")
-    if not registry.exists(name):
-        raise not_found(f"The model `{name}` does not exist.", code="model_not_found", param="model")
-    return name
-
-
-def messages_of(data):
-    messages = data.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("`messages` must be a non-empty array.", param="messages")
-    return [message_of(m, i) for i, m in enumerate(messages)]
-
-
-def message_of(message, index):
-    param = f"messages.[{index}]"
-    role = message.get("role") if isinstance(message, dict) else None
-    if not isinstance(role, str) or role not in ROLES:  # a list or an object is unhashable
-        raise invalid(f"{param}.role must be one of {', '.join(sorted(ROLES))}.", param=f"{param}.role")
-    role = "system" if role == "developer" else role
-    checked = {"role": role, "content": content_text(message.get("content"), f"{param}.content")}
-    if role == "assistant" and message.get("tool_calls") is not None:
-        checked["tool_calls"] = earlier_calls(message["tool_calls"], f"{param}.tool_calls")
-    return checked
-
-
-def earlier_calls(calls, param):
-    """An assistant turn's calls, as the model wrote them: {"name", "arguments"}."""
-    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
-        raise invalid(f"{param} must be a list of function calls.", param=param)
-    return [{"name": str(c["function"].get("name", "")), "arguments": arguments_of(c["function"].get("arguments"))} for c in calls]
-
-
-def arguments_of(text):
-    """Arguments that parse (sanely) as JSON are shown to the model as JSON; others as written."""
-    try:
-        arguments = json.loads(text) if isinstance(text, str) else text
-    except (ValueError, RecursionError):
-        return text
-    return text if first_problem(arguments) else arguments
-
-
-def tools_of(data):
-    tools = present(data, "tools", [])
-    if not isinstance(tools, list) or not all(is_function_tool(t) for t in tools):
-        raise invalid('`tools` must be a list of {"type": "function", "function": {"name", "description", "parameters"}}.', param="tools")
-    choice = present(data, "tool_choice", "auto")
-    if choice not in ("auto", "none"):
-        raise invalid('Only `tool_choice` "auto" and "none" are supported.', param="tool_choice")
-    return tools if choice == "auto" else []
-
-
-def is_function_tool(tool):
-    if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
-        return False
-    function = tool["function"]
-    name = function.get("name")
-    return (
-        tool.get("type") == "function"
-        and isinstance(name, str)
-        and FUNCTION_NAME.fullmatch(name) is not None  # match() with $ let a trailing newline in
-        and isinstance(function.get("parameters", {}), dict)
-        and isinstance(function.get("description"), (str, type(None)))
-    )
-
-
-def content_text(content, param):
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(is_text_part(p) for p in content):
-        return "".join(p["text"] for p in content)
-    if content is None:
-        return ""
-    raise invalid(f"{param} must be a string or an array of text parts.", param=param)
-
-
-def is_text_part(part):
-    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-
-
-def n_of(data):
-    value = integer(data, "n", 1)
-    if value is None:
-        return 1
-    if not 1 <= value <= MAX_CHOICES:
-        raise invalid(f"`n` must be in [1, {MAX_CHOICES}]; got {value}.", param="n")
-    return value
-
-
-def present(data, name, default):
-    """data[name], or `default` when it is missing or null; not `data.get(name) or default`,
-    which took a wrong type that happens to be falsy (0, "", [], false) for "not given"."""
-    value = data.get(name)
-    return default if value is None else value
-
-
-def boolean(data, name, default, param=None):
-    value = data.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(f"`{param or name}` must be a boolean.", param=param or name)
-    return value
-
-
-def stream_option(data, name):
-    options = present(data, "stream_options", {})
-    if not isinstance(options, dict):
-        raise invalid("`stream_options` must be an object.", param="stream_options")
-    return boolean(options, name, False)
-
-
-def number(data, name, default, low, high, low_open=False):
-    value = data.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise invalid(f"`{name}` must be a number.", param=name)
-    if value < low or value > high or (low_open and value == low):
-        bounds = f"{'(' if low_open else '['}{low}, {high}]"
-        raise invalid(f"`{name}` must be in {bounds}; got {value}.", param=name)
-    return float(value)
-
-
-def integer(data, name, default):
-    value = data.get(name, default)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise invalid(f"`{name}` must be an integer.", param=name)
-    return value
-
-
-def max_tokens_of(data):
-    name = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
-    value = integer(data, name, None)
-    if value is not None and value < 1:
-        raise invalid(f"`{name}` must be at least 1; got {value}.", param=name)
-    return value
-
-
-def stop_of(data):
-    stop = data.get("stop")
-    if stop is None:
-        return []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
-        raise invalid(f"`stop` must be a non-empty string or up to {MAX_STOP} of them.", param="stop")
-    return stop
-
-
 def checked_max_tokens(chat, prompt_tokens, context_length, default):
     """The completion budget, or the error OpenAI gives when prompt + budget cannot fit in the
     context (the model's, or the worker's KV cache if smaller)."""
@@ -379,8 +442,7 @@ def checked_max_tokens(chat, prompt_tokens, context_length, default):
     if room < 1:
         raise ApiError(
             400,
-            f"This model's maximum context length is {context_length} tokens; the messages use "
-            f"{prompt_tokens}. Please shorten them.",
+            f"This model's maximum context length is {context_length} tokens; the messages use {prompt_tokens}. Please shorten them.",
             param="messages",
             code="context_length_exceeded",
         )
