@@ -212,7 +212,9 @@ def main():
     flat, scaled = prefill_budget_ab(lm, batch32, args.tokens)
     print(f"batch 32 with prefill: flat budget {flat:6.1f} tok/s, budget scaled with the batch {scaled:6.1f} tok/s: x{scaled / flat:.2f}")
     ttft, prefill, step = join_busy_batch(lm, batch32[:31], args.tokens)
-    print(f"joining 31 busy requests: TTFT {ttft * 1000:.0f} ms; own prefill alone {prefill * 1000:.0f} ms + 2 steps of {step * 1000:.0f} ms = {(prefill + 2 * step) * 1000:.0f} ms")
+    print(
+        f"joining 31 busy requests: TTFT {ttft * 1000:.0f} ms; own prefill alone {prefill * 1000:.0f} ms + 2 steps of {step * 1000:.0f} ms = {(prefill + 2 * step) * 1000:.0f} ms"
+    )
     usual, during, worst, steps = gap_during_long_prefill(lm, batch32)
     print(
         f"8 streams while a 4,000-token prompt prefills ({steps} steps): gap {during * 1000:.0f} ms median, "
@@ -227,7 +229,9 @@ def report_memory():
     model_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
     peak, kv = memory_with_long_sequences(lm)
     budget = model_bytes + kv + 500 * 2**20
-    print(f"32 x 2,000 tokens: peak RSS {peak / 2**20:.0f} MB against model {model_bytes / 2**20:.0f} MB + KV {kv / 2**20:.0f} MB + 500 MB = {budget / 2**20:.0f} MB")
+    print(
+        f"32 x 2,000 tokens: peak RSS {peak / 2**20:.0f} MB against model {model_bytes / 2**20:.0f} MB + KV {kv / 2**20:.0f} MB + 500 MB = {budget / 2**20:.0f} MB"
+    )
 
 
 if __name__ == "__main__":

@@ -178,7 +178,9 @@ def stream_in_page(page, message, deltas):
 
 def report(name, result):
     count, deltas, gap, seconds = result
-    print(f"{name:7s} {deltas:5d} deltas in {seconds:5.1f} s ({deltas / seconds:4.0f}/s)   {count / deltas:5.2f} layouts/delta   longest frame gap {gap:6.1f} ms")
+    print(
+        f"{name:7s} {deltas:5d} deltas in {seconds:5.1f} s ({deltas / seconds:4.0f}/s)   {count / deltas:5.2f} layouts/delta   longest frame gap {gap:6.1f} ms"
+    )
 
 
 def main():

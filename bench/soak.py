@@ -533,7 +533,9 @@ def main():
     processes = {pid: "given" for pid in args.pids} if args.pids else find_service(args.url)
     rss = RssWatch(processes)
     print(f"command: {command_line()}")
-    print(f"{args.streams} streams for {args.minutes:g} min against {args.url}, {args.max_tokens} tokens each; watching {processes or 'no processes'}", flush=True)
+    print(
+        f"{args.streams} streams for {args.minutes:g} min against {args.url}, {args.max_tokens} tokens each; watching {processes or 'no processes'}", flush=True
+    )
     streams, seconds = asyncio.run(load(args, rss))
     rss.finish()  # before the checks: the memory the load left behind
     summary = summarize(args, streams, seconds, asyncio.run(references(args, streams)), rss)

@@ -48,7 +48,9 @@ def check(budget, tokens, money, now):
     spent_tokens, spent_money = budget.spent(now)
     per = PER_PERIOD[budget.period]
     if budget.token_limit is not None and spent_tokens + budget.reserved_tokens + tokens > budget.token_limit:
-        raise OverBudget(f"This request could use {tokens} tokens; the {per} budget of {budget.token_limit} has {budget.token_limit - spent_tokens - budget.reserved_tokens} left.")
+        raise OverBudget(
+            f"This request could use {tokens} tokens; the {per} budget of {budget.token_limit} has {budget.token_limit - spent_tokens - budget.reserved_tokens} left."
+        )
     if budget.money_limit is not None and spent_money + budget.reserved_money + money > budget.money_limit:
         raise OverBudget(f"This request could cost {money}; the {per} budget of {budget.money_limit} does not have that left.")
 

@@ -247,7 +247,7 @@ def day_key(day, model):
 
 
 def net_by_day(lines, rules):
-    """"day model" -> the ledger's net Counts (corrections count on their entry's day)."""
+    """ "day model" -> the ledger's net Counts (corrections count on their entry's day)."""
     span = period(lines, [])
     rows = (
         UsageEntry.objects.filter(of_models(vendor_models(rules, lines)), received_at__gte=span[0], received_at__lt=span[1])
@@ -284,7 +284,17 @@ def adjust_to_invoice(invoice, key):
         return ledger.adjust(outcome.entry, reason, **changes)
 
 
-REPORT_COLUMNS = ["status", "key", "line", *[f"ours_{n}" for n in COUNTS], "ours_cost", *[f"theirs_{n}" for n in COUNTS], "theirs_cost", *[f"difference_{n}" for n in COUNTS], "difference_cost"]
+REPORT_COLUMNS = [
+    "status",
+    "key",
+    "line",
+    *[f"ours_{n}" for n in COUNTS],
+    "ours_cost",
+    *[f"theirs_{n}" for n in COUNTS],
+    "theirs_cost",
+    *[f"difference_{n}" for n in COUNTS],
+    "difference_cost",
+]
 
 
 def report_rows(outcomes):

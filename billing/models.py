@@ -24,13 +24,9 @@ class ApiKey(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True, help_text="Empty: never.")
-    scopes = models.CharField(
-        max_length=100, default="chat", help_text="Space-separated: chat, ledger:read (its own entries), ledger:read:all."
-    )
+    scopes = models.CharField(max_length=100, default="chat", help_text="Space-separated: chat, ledger:read (its own entries), ledger:read:all.")
     requests_per_minute = models.PositiveIntegerField(null=True, blank=True, help_text="Empty: no limit.")
-    tokens_per_minute = models.PositiveIntegerField(
-        null=True, blank=True, help_text="Prompt plus max_tokens of each request admitted; empty: no limit."
-    )
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True, help_text="Prompt plus max_tokens of each request admitted; empty: no limit.")
 
     def __str__(self):
         return f"{self.name} ({self.prefix}…)"

@@ -144,7 +144,15 @@ class Facts:
         def number(name):
             return int(meta[name]) if meta.get(name) else None
 
-        return cls(request_id, meta["model"], number("api_key_id"), number("user_id"), float(meta.get("received_at") or time.time()), int(meta["prompt_tokens"]), int(meta.get("n", 1)))
+        return cls(
+            request_id,
+            meta["model"],
+            number("api_key_id"),
+            number("user_id"),
+            float(meta.get("received_at") or time.time()),
+            int(meta["prompt_tokens"]),
+            int(meta.get("n", 1)),
+        )
 
 
 @dataclass

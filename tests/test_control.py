@@ -1,6 +1,5 @@
 """Cancel and steer a request by id, and detach it from its POST. A worker dying: tests/faults/."""
 
-
 import httpx
 import pytest
 
@@ -91,7 +90,9 @@ def test_a_detached_request_runs_on_after_its_client_leaves_and_can_be_resumed(l
     url = f"{live_service.url}/v1/chat/completions/{request_id}/events"
     with httpx.stream("GET", url, headers={**auth(api_key), "Last-Event-ID": first[-1][0]}, timeout=60) as response:
         rest = list(events(response))
-    whole = httpx.post(f"{live_service.url}/v1/chat/completions", json={**body, "stream": False, "stream_options": None}, headers=auth(api_key), timeout=120).json()
+    whole = httpx.post(
+        f"{live_service.url}/v1/chat/completions", json={**body, "stream": False, "stream_options": None}, headers=auth(api_key), timeout=120
+    ).json()
     assert content_of(c for _, c in first + rest[:-1]) == whole["choices"][0]["message"]["content"]  # no gap, no repeat
     assert [c for _, c in rest].count("[DONE]") == 1 and rest[-1][1] == "[DONE]"
     assert len([c for _, c in rest[:-1] if c["choices"] == []]) == 1  # the usage chunk, once

@@ -9,7 +9,11 @@ EXAMPLE = [
     {"role": "system", "content": "You are a helpful, pattern-following assistant that translates corporate jargon into plain English."},
     {"role": "system", "name": "example_user", "content": "New synergies will help drive top-line growth."},
     {"role": "system", "name": "example_assistant", "content": "Things working well together will increase revenue."},
-    {"role": "system", "name": "example_user", "content": "Let's circle back when we have more bandwidth to touch base on opportunities for increased leverage."},
+    {
+        "role": "system",
+        "name": "example_user",
+        "content": "Let's circle back when we have more bandwidth to touch base on opportunities for increased leverage.",
+    },
     {"role": "system", "name": "example_assistant", "content": "Let's talk later when we're less busy about how to do better."},
     {"role": "user", "content": "This late pivot means we don't have time to boil the ocean for the client deliverable."},
 ]
@@ -41,7 +45,9 @@ def test_tool_definitions_add_their_tokens():
     plain = counting.chat_prompt_tokens(EXAMPLE, "o200k_base")
     with_tool = counting.chat_prompt_tokens(EXAMPLE, "o200k_base", [tool])
     encode = tiktoken_offline.encoding("o200k_base").encode
-    expected = 7 + len(encode("get_weather:Get the weather")) + 3 + 3 + (-3 + 3 + len(encode("c")) + 3 + len(encode("f"))) + len(encode("unit:string:Unit")) + 12
+    expected = (
+        7 + len(encode("get_weather:Get the weather")) + 3 + 3 + (-3 + 3 + len(encode("c")) + 3 + len(encode("f"))) + len(encode("unit:string:Unit")) + 12
+    )
     assert with_tool - plain == expected
 
 

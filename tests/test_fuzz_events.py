@@ -16,7 +16,11 @@ HOSTILE = ["", "0", "-1", "0-0", "0-0.0", "1-0.99999", "a-b", "1-1-1", "1.0", " 
 def last_ids(rng, finished):
     real = [event_id for event_id, _ in finished]
     ms, _, seq = real[-1].partition(".")[0].partition("-")
-    near = [f"{ms}-{int(seq) + rng.randint(-3, 3)}", f"{int(ms) + rng.randint(-5, 5)}-{rng.randint(0, 9)}", f"{real[rng.randrange(len(real))]}.{rng.randint(0, 5)}"]
+    near = [
+        f"{ms}-{int(seq) + rng.randint(-3, 3)}",
+        f"{int(ms) + rng.randint(-5, 5)}-{rng.randint(0, 9)}",
+        f"{real[rng.randrange(len(real))]}.{rng.randint(0, 5)}",
+    ]
     return real + near + HOSTILE + [rng.choice(HOSTILE) + rng.choice(real) for _ in range(5)]
 
 
@@ -34,7 +38,9 @@ def cases(rng, finished, request_id):
 
 
 def test_the_events_url_never_answers_a_server_error(live_service, api_key):
-    finished = stream_chat(live_service, api_key, chat_body("Name three birds.", temperature=0, max_tokens=12, stream=True, stream_options={"include_usage": True}))
+    finished = stream_chat(
+        live_service, api_key, chat_body("Name three birds.", temperature=0, max_tokens=12, stream=True, stream_options={"include_usage": True})
+    )
     request_id = finished[0][1]["id"]
     failures = []
     with httpx.Client(timeout=60) as client:

@@ -119,7 +119,12 @@ def test_errors_are_openai_json_whatever_format_was_asked(client, asked):
 
 @pytest.mark.parametrize(
     "query, headers, status, param",
-    [({"format": "csv"}, {}, 400, "format"), ({}, {"HTTP_ACCEPT": "text/csv"}, 406, None), ({"received_after": "x"}, {}, 400, "received_after"), ({"page_size": "10"}, {}, 400, "page_size")],
+    [
+        ({"format": "csv"}, {}, 400, "format"),
+        ({}, {"HTTP_ACCEPT": "text/csv"}, 406, None),
+        ({"received_after": "x"}, {}, 400, "received_after"),
+        ({"page_size": "10"}, {}, 400, "page_size"),
+    ],
 )
 def test_daily_errors_are_openai_json_too(client, query, headers, status, param):
     _, auth = key_with("ledger:read")

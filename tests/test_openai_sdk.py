@@ -71,7 +71,11 @@ WEATHER = {
 
 def earlier_call(city, n):
     arguments = json.dumps({"city": city})
-    return {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{n}", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": f"call_{n}", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}],
+    }
 
 
 # Two earlier calls show this small model the convention; it then follows it for Paris.

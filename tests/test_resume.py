@@ -23,7 +23,9 @@ def replay(service, key, request_id, header=None, **params):
 
 @pytest.fixture
 def finished(live_service, api_key):
-    return stream_chat(live_service, api_key, chat_body("Name five colours.", temperature=0, max_tokens=20, stream=True, stream_options={"include_usage": True}))
+    return stream_chat(
+        live_service, api_key, chat_body("Name five colours.", temperature=0, max_tokens=20, stream=True, stream_options={"include_usage": True})
+    )
 
 
 def test_it_replays_exactly_the_events_after_the_last_one_seen(live_service, api_key, finished):

@@ -1,6 +1,5 @@
 """End to end with the real model: Daphne, a Celery worker, Redis and the database."""
 
-
 import httpx
 import pytest
 
@@ -198,4 +197,3 @@ def test_the_worker_loaded_its_model_once(live_service, api_key):
     for _ in range(2):
         stream_chat(live_service, api_key, chat_body("Hi", max_tokens=2, stream=True))
     assert (live_service.logs / "worker.log").read_text().count(f"model {MODEL} loaded") == 1
-

@@ -20,7 +20,9 @@ def two_cpu_engines(settings, monkeypatch, redis_client):
 
 
 def test_each_device_gets_an_engine_and_requests_go_to_the_least_loaded(two_cpu_engines, model):
-    prompts = [model.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in ("Hi", "Name a tree.", "Name a bird.")]
+    prompts = [
+        model.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in ("Hi", "Name a tree.", "Name a bird.")
+    ]
     submitted = []
     for n, prompt in enumerate(prompts):
         loop = worker.engine_loop(MODEL)

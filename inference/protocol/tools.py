@@ -15,16 +15,19 @@ from inference.protocol.text import partial_tail
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 SYSTEM = (
-    "You are a function calling AI model. You are provided with function signatures within <tools></tools> XML tags. "
-    "You may call one or more functions to assist with the user query. "
-    "Don't make assumptions about what values to plug into functions. Here are the available tools: "
-) + """<tools>
+    (
+        "You are a function calling AI model. You are provided with function signatures within <tools></tools> XML tags. "
+        "You may call one or more functions to assist with the user query. "
+        "Don't make assumptions about what values to plug into functions. Here are the available tools: "
+    )
+    + """<tools>
 {tools}
 </tools>
 For each function call return a json object with function name and arguments within <tool_call></tool_call> XML tags as follows:
 <tool_call>
 {{"name": <function-name>, "arguments": <args-json-object>}}
 </tool_call>"""
+)
 
 
 def render(messages, tools):

@@ -29,5 +29,7 @@ def test_it_ends_all_48_concurrent_streams_whole(live_service, budgeted, redis_c
         assert streams[-1 - n].text == whole(live_service.url, key, payloads[-1 - n])
     rows = rows_for([s.request_id for s in streams], seconds=30)
     assert all(len(found) == 1 for found in rows.values())
-    assert [(found[0].completion_tokens, s.usage) for s, found in zip(streams, rows.values()) if found[0].completion_tokens != s.usage["completion_tokens"]] == []
+    assert [
+        (found[0].completion_tokens, s.usage) for s, found in zip(streams, rows.values()) if found[0].completion_tokens != s.usage["completion_tokens"]
+    ] == []
     assert holds_back(budget) and queue_empty(redis_client)

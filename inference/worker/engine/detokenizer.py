@@ -1,6 +1,5 @@
 """Token ids in, text deltas out: never half a character, never any part of a stop string."""
 
-
 from inference.protocol.text import partial_tail
 
 

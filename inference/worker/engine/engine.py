@@ -88,7 +88,9 @@ def choices(request_id, prompt_ids, params, n=1):
         return [Request(request_id, prompt_ids, params)]
     first = Request(f"{request_id}.0", prompt_ids, params, group=request_id)
     return [first] + [
-        Request(f"{request_id}.{i}", prompt_ids, replace(params, seed=None if params.seed is None else params.seed + i), group=request_id, index=i, leader=first)
+        Request(
+            f"{request_id}.{i}", prompt_ids, replace(params, seed=None if params.seed is None else params.seed + i), group=request_id, index=i, leader=first
+        )
         for i in range(1, n)
     ]
 
@@ -217,7 +219,9 @@ class Engine:
         blocks = math.ceil(len(ids) / self.pool.block_size) + 1  # +1: they may straddle a block
         fits = ids and len(request.all_ids) + len(ids) < self.context_length and request.beam is None
         if not fits or not self.pool.reserve(blocks):
-            return self._output(request, steered=text, error="steering not applied: it does not fit the context or the KV cache, or the request uses beam search")
+            return self._output(
+                request, steered=text, error="steering not applied: it does not fit the context or the KV cache, or the request uses beam search"
+            )
         request.reserved += blocks
         request.all_ids += ids
         request.generated += [False] * len(ids)
