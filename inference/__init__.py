@@ -6,8 +6,9 @@
   that a reply ended from the `request_finished` signal (`receivers.py`).
 - `worker/` — the Celery worker: the task (`tasks.py`), the engine loops (`loops.py`), the
   upstream relay (`relay.py`) and the engine itself (`engine/`: plain Python and torch).
-- `protocol/` — pure types and formats, imported by both: the request parser, log entries,
-  the task payload, chunks and SSE frames, errors, tool-call text.
+- `protocol/` — types and formats both processes agree on: log entries, the task payload,
+  chunks and SSE frames, errors, tool-call text, and the request parser (which looks models
+  up in the registry).
 - Shared by both processes, at this level: `streamlog.py` (the Redis contract: keys, logs,
   queues, heartbeats), `lifecycle.py` (a request's claim and its one ending), `backends.py`
   (how each model kind is served and counted), `registry.py` and `model_files.py` (the

@@ -45,7 +45,7 @@ def warm_tokenizers():
 
 
 class LocalBackend:
-    engine_devices = "all"  # one engine on each of the worker's devices
+    engine = "weights"  # the worker loads the model's weights, one engine on each of its devices
     steerable = True
 
     def __init__(self, name):
@@ -85,11 +85,11 @@ class LocalBackend:
 
 
 class EchoBackend(LocalBackend):
-    engine_devices = "cpu"  # it computes nothing: one engine is enough
+    engine = "echo"  # an engine that computes nothing: one, on the CPU
 
 
 class UpstreamBackend(LocalBackend):
-    engine_devices = None  # no engine: the worker relays the upstream's stream
+    engine = None  # no engine: the worker relays the upstream's stream
     steerable = False
 
     def __init__(self, name):

@@ -25,9 +25,11 @@ def source(name):
 
 
 def folder(name):
-    """The transformers folder of the model, or of the local model whose tokenizer it uses."""
-    if source(name) in ("echo", "openai-compatible"):
-        return folder(entry(name)["tokenizer"])
+    """The transformers folder of the model, or of the local model whose tokenizer it names
+    (the echo model and upstreams read a local model's tokenizer)."""
+    borrowed = entry(name).get("tokenizer")
+    if borrowed != name and borrowed in settings.TOKSTREAM_MODELS:
+        return folder(borrowed)
     return model_files.resolve_folder(name, entry(name), settings.TOKSTREAM_MODEL_CACHE)
 
 

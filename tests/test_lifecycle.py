@@ -18,7 +18,7 @@ MODEL = "a-model"
 def queued(redis_client):
     request_id = f"chatcmpl-life-{uuid.uuid4().hex}"
     meta = {"owner": "key:1", "model": MODEL, "created": 0, "prompt_tokens": 3, "n": 1, "received_at": time.time(), "deadline": time.time() + 600}
-    streamlog.admit(redis_client, request_id, meta, Open())
+    streamlog.admit(redis_client, request_id, meta, Open(1, 0))
     return request_id
 
 
@@ -48,7 +48,7 @@ def test_a_cancelled_expired_or_unknown_request_is_never_run(redis_client, queue
     streamlog.cancel(redis_client, queued)
     assert claim(redis_client, queued) == "cancelled"
     late = f"{queued}-late"
-    streamlog.admit(redis_client, late, {"model": MODEL, "deadline": time.time() - 1}, Open())
+    streamlog.admit(redis_client, late, {"model": MODEL, "deadline": time.time() - 1}, Open(1, 0))
     assert claim(redis_client, late) == "expired"
     assert claim(redis_client, f"{queued}-never-admitted") == "lost"
 

@@ -118,6 +118,8 @@ SPECTACULAR_SETTINGS = {"TITLE": "tokstream ledger", "VERSION": "1"}
 # Celery: the broker is Redis; results travel through the per-request Redis Stream, not a backend.
 CELERY_BROKER_URL = REDIS_URL
 CELERY_TASK_IGNORE_RESULT = True
+# By task name ("inference.tasks.generate", inference/protocol/payloads.py), kept as it was before the
+# worker's code moved to inference/worker/: tasks queued by an older gateway still run.
 CELERY_TASK_ROUTES = {"inference.tasks.*": {"queue": "inference"}}
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
@@ -182,5 +184,5 @@ TOKSTREAM_VENDORS = env_json(
     },
 )
 
-# The API reads bodies itself (inference.sse); the page's POST goes through Django: same limit.
+# The API reads bodies itself (inference.gateway.sse); the page's POST goes through Django: same limit.
 DATA_UPLOAD_MAX_MEMORY_SIZE = TOKSTREAM_MAX_BODY_BYTES

@@ -1,1 +1,1 @@
-"""Pure types and formats both processes use: request parsing, log entries, the task payload, chunks, errors, tool-call text."""
+"""Types and formats both processes agree on: log entries, the task payload, chunks, errors, tool-call text, the request parser."""

@@ -27,8 +27,8 @@ class FinishReason(StrEnum):
 class Open:
     """The first entry: the stream opens with the role of each choice and the queue position."""
 
-    n: int = 1
-    queue_position: int = 0
+    n: int
+    queue_position: int
     t = "open"
 
 
@@ -113,9 +113,11 @@ def encode(entry):
 
 
 def from_dict(data):
-    data = dict(data)
-    kind = KINDS[data.pop("t")]
-    return kind(**data)
+    """The entry a JSON object encodes; a field this version does not know (a newer writer's)
+    is left out, so that a log stays readable while processes of two versions run."""
+    kind = KINDS[data["t"]]
+    known = {f.name for f in dataclasses.fields(kind)}
+    return kind(**{name: value for name, value in data.items() if name in known})
 
 
 def decode(text):

@@ -161,13 +161,13 @@ class UpstreamBeat(threading.Thread):
 def start_loops(name):
     """One engine per device (every GPU, with TOKSTREAM_DEVICE=auto): a model small enough
     for one GPU serves from all of them."""
-    placement = backends.of(name).engine_devices
-    if placement is None:
+    engine = backends.of(name).engine
+    if engine is None:
         beat = UpstreamBeat(name, streamlog.sync_client())
         beat.start()
         return [beat]
     loops = []
-    for device in ["cpu"] if placement == "cpu" else devices():
+    for device in ["cpu"] if engine == "echo" else devices():
         lm = load(name, device)
         loops.append(EngineLoop(lm, build_engine(lm), streamlog.sync_client()))
         loops[-1].start()
@@ -181,7 +181,7 @@ def devices():
 
 def load(name, device=None):
     """The model on `device` (by default the first of TOKSTREAM_DEVICE's)."""
-    if backends.of(name).engine_devices == "cpu":
+    if backends.of(name).engine == "echo":
         step_seconds = registry.entry(name).get("step_ms", 0) / 1000
         return loader.load_echo(name, registry.folder(name), step_seconds)
     return loader.load(name, registry.folder(name), device or devices()[0], settings.TOKSTREAM_DTYPE)

@@ -115,5 +115,5 @@ def admitted_here(tokenizer, content):
         task=task,
     )
     meta = {**Admitted(request_id, MODEL, int(time.time()), len(prompt), 1, task["received_at"]).meta(Owner(api_key_id=key.pk)), "deadline": time.time() + 600}
-    streamlog.admit(streamlog.sync_client(), request_id, meta, Open())
+    streamlog.admit(streamlog.sync_client(), request_id, meta, Open(1, 0))
     return task
