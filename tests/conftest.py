@@ -69,18 +69,22 @@ def separate_service(django_db_blocker, redis_db, redis_url=None, **options):
     finally:
         service.stop()
         with django_db_blocker.unblock():
-            wait_for_other_sessions_to_close(connection)
+            # Only this service's own: the session's live service still holds its sessions.
+            wait_for_other_sessions_to_close(connection, service.application_name)
 
 
-def wait_for_other_sessions_to_close(connection, seconds=10):
+def wait_for_other_sessions_to_close(connection, application_name=None, seconds=10):
     """PostgreSQL ends a stopped process's sessions a moment later; the test database can only
-    be dropped once they are gone."""
+    be dropped once they are gone. With `application_name`, only the sessions of that name."""
     if connection.vendor != "postgresql":
         return
+    query = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    if application_name:
+        query += " AND application_name = %s"
 
     def closed():
         with connection.cursor() as cursor:
-            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()")
+            cursor.execute(query, [application_name] if application_name else [])
             return cursor.fetchone()[0] == 0
 
     # Should they linger, dropping the database says so with PostgreSQL's own error.

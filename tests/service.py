@@ -14,13 +14,14 @@ from tokstream_site import processes
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def database_url(db):
+def database_url(db, application_name):
+    """The test database, with PostgreSQL sessions named after the service that opens them."""
     if db["ENGINE"].endswith("sqlite3"):
         return f"sqlite:///{db['NAME']}"
     user = db["USER"] or ""
     if db["PASSWORD"]:
         user += f":{db['PASSWORD']}"
-    return f"postgres://{user}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+    return f"postgres://{user}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}?application_name={application_name}"
 
 
 class LiveService:
@@ -31,7 +32,8 @@ class LiveService:
         self.urls = [f"http://127.0.0.1:{port}" for port in self.ports]
         self.url, self.port = self.urls[0], self.ports[0]
         self.workers = workers
-        self.env = {**os.environ, "DATABASE_URL": database_url(db_settings), "PYTHONUNBUFFERED": "1", **env}
+        self.application_name = f"tokstream-test-{self.port}"
+        self.env = {**os.environ, "DATABASE_URL": database_url(db_settings, self.application_name), "PYTHONUNBUFFERED": "1", **env}
         self.concurrency = int(self.env.get("TOKSTREAM_MAX_RUNNING", 8))  # as `manage.py serve` runs it
         self.logs = ROOT / ".cache" / "test-logs" / str(self.port)
         self.children = []

@@ -19,10 +19,10 @@ def long_prompt(tokenizer, words, tokens):
 
 
 def test_keepalives_flow_while_long_prompts_are_prefilled(live_service, api_key, tokenizer):
-    # Three at once, so that the later ones' prefills outlast the keep-alive interval on
-    # faster machines too.
-    texts = ["The tea plantations were green and wet in the morning. ", "A red kite circled over the old mill. ", "Snow fell on the quiet harbour town. "]
-    payloads = [body(long_prompt(tokenizer, text, 7000), max_tokens=8) for text in texts]
+    # Two at once: the second waits for both prefills (about 10,000 tokens; 48 s on these
+    # machines), past the keep-alive interval on machines three times faster too.
+    texts = ["The tea plantations were green and wet in the morning. ", "A red kite circled over the old mill. "]
+    payloads = [body(long_prompt(tokenizer, text, 5000), max_tokens=8) for text in texts]
     streams = record_many(live_service.url, api_key, payloads)
     waits = [stream.first_text_at - stream.opened_at for stream in streams if stream.first_text_at]
     assert max(waits) > settings.TOKSTREAM_KEEPALIVE_SECONDS + 1, f"prefills took {waits} s: the test needs longer prompts here"
@@ -31,4 +31,4 @@ def test_keepalives_flow_while_long_prompts_are_prefilled(live_service, api_key,
         waited = stream.first_text_at - stream.opened_at
         assert stream.keepalives_before_text >= int(waited // settings.TOKSTREAM_KEEPALIVE_SECONDS) - 1
         [row] = rows_for([stream.request_id], seconds=30)[stream.request_id]
-        assert row.prompt_tokens == stream.usage["prompt_tokens"] > 6000 and row.completion_tokens == stream.usage["completion_tokens"]
+        assert row.prompt_tokens == stream.usage["prompt_tokens"] > 4500 and row.completion_tokens == stream.usage["completion_tokens"]
