@@ -42,6 +42,16 @@ def test_the_list_totals_the_filtered_rows_and_refuses_changes(admin_client):
     assert admin_client.post(f"{CHANGELIST}{entry.pk}/change/", {"prompt_tokens": 1}).status_code == 403
 
 
+def test_an_entry_s_page_has_nothing_to_submit(admin_client):
+    entries(1)
+    entry = UsageEntry.objects.get()
+    assert entry.request_id in admin_client.get(CHANGELIST).content.decode()
+    change_url = f"{CHANGELIST}{entry.pk}/change/"
+    assert 'type="submit"' not in admin_client.get(change_url).content.decode().split('id="content"')[1]
+    assert admin_client.get(f"{CHANGELIST}{entry.pk}/delete/").status_code == 403
+    assert UsageEntry.objects.get().completion_tokens == 0
+
+
 def test_the_csv_action_exports_the_selected_rows(admin_client):
     entries(4)
     chosen = list(UsageEntry.objects.order_by("id").values_list("pk", flat=True)[:2])

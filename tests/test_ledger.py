@@ -147,3 +147,27 @@ def test_daily_totals_sum_each_day_and_model_and_net_out_reversals():
 def test_the_database_refuses_a_usage_entry_with_negative_counts():
     with pytest.raises(IntegrityError):
         entry("r-negative", prompt_tokens=-1)
+
+
+def test_it_writes_one_entry_per_request_however_often_it_is_recorded():
+    first = entry("chatcmpl-1", completion_tokens=7)
+    again = entry("chatcmpl-1", completion_tokens=99)
+    assert again.pk == first.pk
+    assert UsageEntry.objects.get().completion_tokens == 7
+
+
+@pytest.mark.parametrize("reason,status", [("stop", "completed"), ("length", "length"), ("cancelled", "cancelled"), ("error", "failed")])
+def test_the_status_follows_the_finish_reason(reason, status):
+    now = ledger.as_datetime(time.time())
+    recorded = ledger.record(f"chatcmpl-{reason}", reason, model="m", tokenizer="t", prompt_tokens=11, completion_tokens=7, received_at=now, finished_at=now)
+    assert recorded.status == status
+
+
+def test_entries_are_never_changed_or_deleted():
+    recorded = entry("chatcmpl-1", completion_tokens=7)
+    recorded.completion_tokens = 1
+    with pytest.raises(AppendOnlyError):
+        recorded.save()
+    with pytest.raises(AppendOnlyError):
+        recorded.delete()
+    assert UsageEntry.objects.get().completion_tokens == 7
