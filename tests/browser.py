@@ -52,9 +52,10 @@ def new_page(chromium, monkeypatch):
             return contexts[-1].new_page()
 
         yield open_page
+        # While Playwright runs, the test's ORM calls get connections of their own (Django's
+        # are per async context); closed from here, or the test database cannot be dropped.
+        connections.close_all()
         for context in contexts:
             context.close()
         browser.close()
-    # Inside Playwright's loop the ORM opened a connection of its own; close it here, or the
-    # test database cannot be dropped at the end.
     connections.close_all()
