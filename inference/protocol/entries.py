@@ -8,6 +8,7 @@ reader of this version reads a log an older worker wrote.
 """
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -102,10 +103,18 @@ def choice_of(entry):
     return getattr(entry, "i", 0)
 
 
+@functools.cache
+def layout(kind):
+    """(every field's name, the defaults of those that have one) of a kind: read once, since
+    every entry the worker writes and every one a reader relays passes through here."""
+    fields = dataclasses.fields(kind)
+    return tuple(f.name for f in fields), {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+
+
 def to_dict(entry):
-    fields = {f.name: getattr(entry, f.name) for f in dataclasses.fields(entry)}
-    defaults = {f.name: f.default for f in dataclasses.fields(entry) if f.default is not dataclasses.MISSING}
-    return {"t": entry.t, **{name: value for name, value in fields.items() if name not in defaults or value != defaults[name]}}
+    names, defaults = layout(type(entry))
+    values = ((name, getattr(entry, name)) for name in names)
+    return {"t": entry.t, **{name: value for name, value in values if name not in defaults or value != defaults[name]}}
 
 
 def encode(entry):
@@ -116,8 +125,8 @@ def from_dict(data):
     """The entry a JSON object encodes; a field this version does not know (a newer writer's)
     is left out, so that a log stays readable while processes of two versions run."""
     kind = KINDS[data["t"]]
-    known = {f.name for f in dataclasses.fields(kind)}
-    return kind(**{name: value for name, value in data.items() if name in known})
+    names, _ = layout(kind)
+    return kind(**{name: value for name, value in data.items() if name in names})
 
 
 def decode(text):
