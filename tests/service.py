@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import httpx
+from django.conf import settings
 
 from tests.settings import free_port
 from tests.waiting import eventually
@@ -34,7 +35,7 @@ class LiveService:
         self.workers = workers
         self.application_name = f"tokstream-test-{self.port}"
         self.env = {**os.environ, "DATABASE_URL": database_url(db_settings, self.application_name), "PYTHONUNBUFFERED": "1", **env}
-        self.concurrency = int(self.env.get("TOKSTREAM_MAX_RUNNING", 8))  # as `manage.py serve` runs it
+        self.concurrency = int(self.env.get("TOKSTREAM_MAX_RUNNING", settings.TOKSTREAM_MAX_RUNNING))  # as `manage.py serve` runs it
         self.logs = ROOT / ".cache" / "test-logs" / str(self.port)
         self.children = []
 

@@ -141,8 +141,10 @@ def test_a_request_that_cannot_fit_waits_and_one_that_never_can_is_refused(token
 # -- the real model ------------------------------------------------------------------------
 
 
-def real_engine(model, cache_tokens=16384, **options):
-    return Engine.for_model(model, cache_tokens, **options)
+def real_engine(model, cache_tokens=16384, weights="float32", **options):
+    # float32: the weights transformers runs, so outputs compare with `generate` token for token.
+    # The formats `auto` may pick instead are held to a bound on their drift (test_weights.py).
+    return Engine.for_model(model, cache_tokens, weights=weights, **options)
 
 
 def chat(model, text):

@@ -1,3 +1,4 @@
+import glob
 import re
 from pathlib import Path
 from urllib.parse import urlparse
@@ -147,8 +148,12 @@ TOKSTREAM_DEVICE = env_str("TOKSTREAM_DEVICE", "auto")
 if not re.fullmatch(r"auto|(cpu|mps|cuda(:\d+)?)(,(cpu|mps|cuda(:\d+)?))*", TOKSTREAM_DEVICE):
     raise ImproperlyConfigured(f"TOKSTREAM_DEVICE={TOKSTREAM_DEVICE!r} must be auto, or cpu, mps, cuda, cuda:N or a comma-separated list of them")
 TOKSTREAM_DTYPE = env_choice("TOKSTREAM_DTYPE", "auto", ["auto", "float32", "bfloat16", "float16"])
-TOKSTREAM_MAX_RUNNING = env_int("TOKSTREAM_MAX_RUNNING", 8, minimum=1)
-TOKSTREAM_KV_CACHE_TOKENS = env_int("TOKSTREAM_KV_CACHE_TOKENS", 32768, minimum=256)
+# A CPU worker decodes 32 streams at once; a GPU, many more for the same step time. (The CUDA
+# device files tell without importing torch in every web process.)
+_GPU = TOKSTREAM_DEVICE != "cpu" and bool(glob.glob("/dev/nvidia[0-9]*"))
+TOKSTREAM_MAX_RUNNING = env_int("TOKSTREAM_MAX_RUNNING", 256 if _GPU else 32, minimum=1)
+# Room for each running stream's prompt and the default max_tokens, and more.
+TOKSTREAM_KV_CACHE_TOKENS = env_int("TOKSTREAM_KV_CACHE_TOKENS", TOKSTREAM_MAX_RUNNING * 2048, minimum=256)
 TOKSTREAM_STEP_TOKENS = env_int("TOKSTREAM_STEP_TOKENS", 24, minimum=1)
 TOKSTREAM_DEFAULT_MAX_TOKENS = env_int("TOKSTREAM_DEFAULT_MAX_TOKENS", 1024, minimum=1)
 TOKSTREAM_MAX_BODY_BYTES = env_int("TOKSTREAM_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)

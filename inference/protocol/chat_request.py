@@ -206,6 +206,7 @@ class Extension(NullMeansDefault):
     model_config = ConfigDict(extra="forbid")
     beam_width: Annotated[int, Field(ge=1, le=MAX_BEAM_WIDTH)] = 1
     detach_on_disconnect: bool = False
+    speculative: bool = True  # false: no prompt-lookup drafts for this request
 
 
 StopText = Annotated[str, Field(min_length=1)]
@@ -313,6 +314,7 @@ def sampling_of(body):
         "logprobs": body.logprobs,
         "top_logprobs": body.top_logprobs or 0,
         "beam_width": body.tokstream.beam_width,
+        "speculative": body.tokstream.speculative,
     }
 
 

@@ -19,17 +19,21 @@ import torch
 from inference.protocol.entries import FinishReason
 
 from .beam import BeamSearch
+from .budget import StepCost, prefill_budget
 from .detokenizer import IncrementalDetokenizer
 from .echo import EchoModel, EchoRunner
 from .kv_cache import BLOCK_SIZE, BlockPool, block_hashes
+from .llama import LlamaRunner
 from .logprobs import logprobs_of
-from .runner import BatchRunner, Chunk
+from .runner import Chunk
 from .sampling import SamplingParams, make_generator, sample
+from .speculative import Drafter, accepted, verdict_greedy, verdict_sampled
 
 log = logging.getLogger(__name__)
-MIN_PREFILL_TOKENS = 16  # a step's prefill share however many decode: waiting prompts still advance
-# A bigger batch's step costs more, so it carries more prefill for the same relative slowdown.
-PREFILL_PER_DECODE = 2
+DRAFT_LENGTH = 4  # draft tokens per sequence and step
+# Draft tokens a step may verify, less one per decoding sequence: while a step's matrix products
+# are bound by reading the weights, a few more tokens cost little; in a big batch they would not.
+DRAFT_TOKENS = 8
 
 
 class RequestStatus(Enum):
@@ -56,6 +60,7 @@ class Request:
     reserved: int = 0  # blocks reserved and not yet allocated
     finish_reason: str | None = None
     error: str | None = None
+    arrived_at: float | None = None
     started_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -68,6 +73,9 @@ class Request:
     beam_tables: list[list[int]] = field(default_factory=list)  # one block table per live beam
     pending_steers: list[str] = field(default_factory=list)  # steering it takes at its next step
     prompt_hashes: list[str] | None = None  # of the prompt's full blocks, for the prefix cache
+    drafter: Drafter | None = None
+    drafted: int = 0  # draft tokens verified
+    draft_kept: int = 0  # of those, the ones the model agreed with
 
     def __post_init__(self):
         self.group = self.group or self.request_id
@@ -108,14 +116,25 @@ class Output:
     index: int = 0  # the choice
 
 
+def merged(earlier, later):
+    """One output for several tokens of one step."""
+    if earlier is None:
+        return later
+    later.text = earlier.text + later.text
+    later.logprobs = earlier.logprobs + later.logprobs
+    return later
+
+
 class Engine:
     @classmethod
-    def for_model(cls, lm, cache_tokens, block_size=BLOCK_SIZE, **options):
-        """An engine over a loaded model, with a KV cache of `cache_tokens` tokens."""
+    def for_model(cls, lm, cache_tokens, block_size=BLOCK_SIZE, weights="auto", **options):
+        """An engine over a loaded model, with a KV cache of `cache_tokens` tokens, computing
+        with `weights` in that format (`auto`: the fastest here, measured)."""
         if isinstance(lm.model, EchoModel):
             runner = EchoRunner(lm.model, cache_tokens, block_size)
         else:
-            runner = BatchRunner(lm.model, BlockPool.for_model(lm.model.config, cache_tokens, block_size, lm.model.dtype, lm.device), lm.device)
+            pool = BlockPool.for_model(lm.model.config, cache_tokens, block_size, lm.model.dtype, lm.device)
+            runner = LlamaRunner(lm.model, pool, lm.device, lm.context_length, weights)
         return cls(runner, lm.tokenizer, lm.stop_ids, lm.context_length, **options)
 
     def __init__(self, runner, tokenizer, stop_ids, context_length, max_running=8, step_tokens=24, idle_chunk=512, clock=time.time):
@@ -131,6 +150,7 @@ class Engine:
         self.waiting = deque()
         self.running = []
         self.stats = Counter()  # computed_prompt_tokens, cached_prompt_tokens, steps, ...
+        self.step_cost = StepCost()
         self._cancelled = {}  # request id -> None (the client's cancel) or why it failed
         self._steers = []
         self._lock = threading.Lock()
@@ -138,6 +158,9 @@ class Engine:
     # -- called from other threads ------------------------------------------------------
 
     def add(self, *requests):
+        now = self.clock()
+        for request in requests:
+            request.arrived_at = request.arrived_at or now
         with self._lock:
             self.waiting.extend(requests)
 
@@ -170,12 +193,18 @@ class Engine:
         if scheduled:
             self.stats["steps"] += 1
             try:
-                outputs += self._after_step(scheduled, self.runner.forward([chunk for _, chunk in scheduled]))
+                outputs += self._after_step(scheduled, self._forward([chunk for _, chunk in scheduled]))
             except Exception as exc:  # the model failed: end every live request, keep what ended before
                 log.exception("engine step failed")
                 outputs += self.fail_all(f"generation failed: {exc}")
         self._drop_finished()
         return [o for o in outputs if o and (o.text or o.finished or o.steered or o.logprobs or o.error)]
+
+    def _forward(self, chunks):
+        start = time.perf_counter()
+        logits = self.runner.forward(chunks)
+        self.step_cost.add(sum(len(c.token_ids) for c in chunks), time.perf_counter() - start)
+        return logits
 
     def _drop_finished(self):
         self.running = [r for r in self.running if r.status is not RequestStatus.FINISHED]
@@ -298,9 +327,13 @@ class Engine:
         beaming = [r for r in self.running if r.beam_tables]
         decoding = [r for r in self.running if not r.beam_tables and r.pending() == 1]
         prefilling = [r for r in self.running if not r.beam_tables and r.pending() > 1]
-        scheduled = [(r, self._chunk(r, 1)) for r in decoding] + [pair for r in beaming for pair in self._beam_chunks(r)]
-        busy = len(scheduled)
-        budget = max(self.step_tokens - busy, MIN_PREFILL_TOKENS, PREFILL_PER_DECODE * busy) if busy else self.idle_chunk
+        scheduled, drafts = [], DRAFT_TOKENS - len(decoding)
+        for request in decoding:
+            draft = self._draft(request, drafts)
+            drafts -= len(draft)
+            scheduled.append((request, self._chunk(request, 1, draft)))
+        scheduled += [pair for r in beaming for pair in self._beam_chunks(r)]
+        budget = self._prefill_budget(len(scheduled), prefilling)
         for request in prefilling:
             if budget <= 0:
                 break
@@ -309,10 +342,35 @@ class Engine:
             budget -= size
         return scheduled
 
-    def _chunk(self, request, size):
+    def _prefill_budget(self, decoding, prefilling):
+        first = [r for r in prefilling if not r.output_ids]  # still waiting for a first token
+        oldest = min((r.arrived_at for r in first), default=None)
+        waited = self.clock() - oldest if oldest is not None else 0.0
+        return prefill_budget(decoding, sum(r.pending() for r in first), waited, self.step_cost, self.step_tokens, self.idle_chunk)
+
+    def _chunk(self, request, size, draft=()):
         start = request.computed
-        self._grow(request, request.blocks, start + size)
-        return Chunk(request.all_ids[start : start + size], start, request.blocks, request.request_id)
+        tokens = request.all_ids[start : start + size] + list(draft)
+        self._grow(request, request.blocks, start + len(tokens))
+        return Chunk(tokens, start, request.blocks, request.request_id, all_logits=bool(draft))
+
+    def _draft(self, request, budget):
+        """Draft tokens to verify with the request's next token, within its reservation."""
+        if budget <= 0 or not self._speculates(request):
+            return []
+        held = (len(request.blocks) + request.reserved) * self.pool.block_size
+        left = request.params.max_tokens - len(request.output_ids) - 1  # the model's own token comes on top
+        room = min(left, held - len(request.all_ids), self.context_length - len(request.all_ids) - 1)
+        if room <= 0:
+            return []
+        request.drafter = request.drafter or Drafter()
+        return request.drafter.propose(request.all_ids, min(DRAFT_LENGTH, budget, room))
+
+    def _speculates(self, request):
+        """A seeded sample must not depend on its neighbours, as drafts (offered only while
+        the batch is small) would make it; penalties change with every token."""
+        params = request.params
+        return getattr(self.runner, "verifies_drafts", False) and params.speculative and not params.penalised and (params.greedy or params.seed is None)
 
     def _grow(self, request, table, end):
         """Blocks from the request's reservation until the table covers `end` tokens."""
@@ -329,35 +387,83 @@ class Engine:
 
     def _after_step(self, scheduled, logits):
         """One output per sequence; a beam search's rows go together to its next beam step."""
-        outputs, beams = [], {}
-        for (request, chunk), row in zip(scheduled, logits):
+        outputs, beams, ready, row = [], {}, [], 0
+        for request, chunk in scheduled:
+            rows = logits[row : row + (len(chunk.token_ids) if chunk.all_logits else 1)]  # [1 or 1 + draft, V]
+            row += len(rows)
             if request.beam_tables:
-                beams.setdefault(request.request_id, (request, []))[1].append(row)
+                beams.setdefault(request.request_id, (request, []))[1].append(rows[0])
+            elif not self._account(request, chunk):
+                continue  # more of the prompt to go
+            elif request.beam is not None:  # the prompt is the one parent of the first beams
+                request.beam_tables, request.blocks = [request.blocks], []
+                outputs.append(self._beam_step(request, rows))
             else:
-                outputs.append(self._after_forward(request, chunk, row))
+                ready.append((request, chunk, rows))
+        outputs += self._take_tokens(ready)
         return outputs + [self._beam_step(request, torch.stack(rows)) for request, rows in beams.values()]
 
-    def _after_forward(self, request, chunk, logits):
-        end = chunk.start + len(chunk.token_ids)
+    def _account(self, request, chunk):
+        """Count the chunk's prompt tokens in; -> whether the request now takes a token."""
+        end = chunk.start + (1 if chunk.all_logits else len(chunk.token_ids))
         consumed = request.generated[chunk.start : end].count(False)
         request.prefilled += consumed
         self.stats["computed_prompt_tokens"] += consumed
         request.computed = end
         if request.pending():
-            return None  # more of the prompt to go
+            return False
         if not request.output_ids:
             self._register_computed(request)  # the prompt is in: later requests may share it
-        if request.beam is not None:  # the prompt is the one parent of the first beams
-            request.beam_tables, request.blocks = [request.blocks], []
-            return self._beam_step(request, logits[None])
+        return True
+
+    def _take_tokens(self, ready):
+        """Every sequence's pick of the step, moved to the host in one transfer."""
+        verdicts = [self._verdict(request, chunk, rows) for request, chunk, rows in ready]
+        picked = [v.reshape(-1) for v in verdicts if not isinstance(v, Exception)]
+        values = torch.cat(picked).tolist() if picked else []
+        outputs = []
+        for (request, chunk, rows), verdict in zip(ready, verdicts):
+            if isinstance(verdict, Exception):
+                outputs.append(self._finish(request, FinishReason.ERROR, error=f"generation failed: {verdict}"))
+                continue
+            mine, values = values[: verdict.numel()], values[verdict.numel() :]
+            outputs.append(self._advance(request, chunk, rows, mine))
+        return outputs
+
+    def _verdict(self, request, chunk, rows):
+        """The pick as a tensor on the device (or why it failed: that request ends alone)."""
+        params, draft = request.params, chunk.token_ids[1:] if chunk.all_logits else []
         try:
-            return self._next_token(request, logits)
+            if not draft:
+                return sample(rows[-1], params, request.generator, request.all_ids, request.output_ids)
+            if params.greedy:
+                return verdict_greedy(rows, params)
+            return verdict_sampled(rows, params, draft, request.generator)
+        except Exception as exc:
+            log.exception("request %s failed", request.request_id)
+            return exc
+
+    def _advance(self, request, chunk, rows, verdict):
+        draft = chunk.token_ids[1:] if chunk.all_logits else []
+        tokens = accepted(verdict, draft, request.params.greedy) if draft else verdict
+        if draft:
+            request.computed += len(tokens) - 1  # the kept draft tokens' keys and values are cached
+            request.drafted += len(draft)
+            request.draft_kept += len(tokens) - 1
+            self.stats["draft_tokens"] += len(draft)
+            self.stats["draft_tokens_kept"] += len(tokens) - 1
+        output = None
+        try:
+            for token, logits in zip(tokens, rows):
+                output = merged(output, self._next_token(request, logits, token))
+                if request.status is RequestStatus.FINISHED:
+                    break
         except Exception as exc:  # one request's failure ends that request, not its neighbours
             log.exception("request %s failed", request.request_id)
             return self._finish(request, FinishReason.ERROR, error=f"generation failed: {exc}")
+        return output
 
-    def _next_token(self, request, logits):
-        token = sample(logits, request.params, request.generator, request.all_ids, request.output_ids)
+    def _next_token(self, request, logits, token):
         request.output_ids.append(token)
         request.all_ids.append(token)
         request.generated.append(True)

@@ -1,16 +1,16 @@
-"""Batched forward passes of a Llama-family transformers model over a paged KV cache.
+"""What a batched forward pass over the paged KV cache is given, and its attention.
 
 One call computes every scheduled chunk of the step: the linear layers see all tokens at once
 (that is where batching pays), attention runs once for all one-token chunks (decodes, padded
-to the longest context) and once per longer chunk (prefill pieces, causal over their prefix).
+to the longest context) and once per longer chunk (prefill pieces and drafts, causal over
+their prefix). The model's own math is in llama.py.
 """
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from .kv_cache import head_dim_of
 
 
 @dataclass
@@ -19,6 +19,7 @@ class Chunk:
     start: int  # position of the first of them in the sequence
     blocks: list[int]  # the sequence's block table, long enough for start + len(token_ids)
     request_id: str = ""
+    all_logits: bool = False  # logits after every token, not only the last: a draft to verify
 
 
 class AttentionPlan:
@@ -31,7 +32,9 @@ class AttentionPlan:
         self.block_size = block_size
         lengths = [len(c.token_ids) for c in chunks]
         starts = torch.tensor([0, *lengths], device=device).cumsum(0)
-        self.last_rows = starts[1:] - 1
+        ends = list(itertools.accumulate(lengths))
+        rows = [row for c, end in zip(chunks, ends) for row in (range(end - len(c.token_ids), end) if c.all_logits else [end - 1])]
+        self.logit_rows = torch.tensor(rows, device=device)
         self.slots = torch.cat([self.new_slots(c) for c in chunks])  # [N]
         one = [i for i, n in enumerate(lengths) if n == 1]
         self.decode = self.decode_group([chunks[i] for i in one], starts[one]) if one else None
@@ -61,15 +64,14 @@ class AttentionPlan:
         return slice(first_row, first_row + len(chunk.token_ids)), torch.tensor(table, device=self.device), causal
 
 
-class BatchRunner:
-    def __init__(self, model, pool, device):
-        self.model = model
+class PagedAttention:
+    """Each token attends to its own sequence's cached keys and values."""
+
+    def __init__(self, pool, kv_heads, head_dim, device):
         self.pool = pool
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
         self.device = device
-        config = model.config
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
         self.workspace = {}
 
     def gather(self, cache, blocks, name):
@@ -80,36 +82,8 @@ class BatchRunner:
             buffer = self.workspace[name] = cache.new_empty((max(len(blocks), 64), *cache.shape[1:]))
         return torch.index_select(cache, 0, blocks, out=buffer[: len(blocks)])
 
-    @torch.inference_mode()
-    def forward(self, chunks):
-        """-> logits [len(chunks), V]: for each chunk, those after its last token."""
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        body = self.model.model
-        plan = AttentionPlan(chunks, self.pool.block_size, self.device)
-        ids = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)  # [N]
-        positions = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks]).to(self.device)
-        x = body.embed_tokens(ids)  # [N, hidden]
-        cos, sin = body.rotary_emb(x[None], positions[None])  # [1, N, D]
-        for index, layer in enumerate(body.layers):
-            h = layer.input_layernorm(x)
-            q, k, v = self.project(layer.self_attn, h)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)  # q: [1, Hq, N, D]; k: [1, Hkv, N, D]
-            self.pool.k[index].index_copy_(0, plan.slots, k[0].transpose(0, 1))
-            self.pool.v[index].index_copy_(0, plan.slots, v)
-            x = x + layer.self_attn.o_proj(self.attend(index, q[0].transpose(0, 1), plan))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.model.lm_head(body.norm(x[plan.last_rows]))
-
-    def project(self, attn, h):
-        n = h.shape[0]
-        q = attn.q_proj(h).view(1, n, self.heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(h).view(n, self.kv_heads, self.head_dim)
-        return q, k, v
-
-    def attend(self, layer, q, plan):
-        """q: [N, Hq, D] -> [N, Hq * D], each token attending to its own sequence's cache."""
+    def __call__(self, layer, q, plan):
+        """q: [N, Hq, D] -> [N, Hq * D]."""
         by_block = (-1, self.pool.block_size, self.kv_heads, self.head_dim)
         k_cache, v_cache = self.pool.k[layer].view(by_block), self.pool.v[layer].view(by_block)  # [blocks, BS, Hkv, D]
         out = torch.empty_like(q)

@@ -1,4 +1,8 @@
-"""Sampling as short pure tensor functions (gpt-fast style), one sequence at a time."""
+"""Sampling as short pure tensor functions (gpt-fast style).
+
+Each function works on one sequence's logits and returns tensors, never Python numbers: the
+engine collects every sequence's pick of a step and moves them to the host in one transfer.
+"""
 
 from dataclasses import dataclass, field
 
@@ -25,6 +29,16 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     beam_width: int = 1  # above 1: beam search (deterministic; the sampling knobs do not apply)
+    speculative: bool = True  # prompt-lookup drafts where the engine finds them worth it
+
+    @property
+    def greedy(self):
+        return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def penalised(self):
+        """The logits depend on the output so far: each token must be seen before the next."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def __post_init__(self):
         # JSON (a Celery message, say) turns integer keys into strings.
@@ -86,12 +100,26 @@ def min_p_filter(logits, min_p):
     return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
 
 
-def sample(logits, params, generator=None, seen_ids=(), output_ids=()):
-    """logits: [V] for one sequence -> the next token id."""
-    logits = apply_penalties(logits.float(), params, seen_ids, output_ids)
-    logits = apply_logit_bias(logits, params.logit_bias)
-    if params.temperature < MIN_TEMPERATURE:
-        return int(torch.argmax(logits))
+def adjusted(logits, params, seen_ids=(), output_ids=()):
+    """logits: [V] -> the logits the choice is made from: penalties and bias applied."""
+    return apply_logit_bias(apply_penalties(logits.float(), params, seen_ids, output_ids), params.logit_bias)
+
+
+def probabilities(logits, params):
+    """Adjusted logits [..., V] of a sampled request -> the distribution it draws from."""
+    if logits.dim() > 1:
+        return torch.stack([probabilities(row, params) for row in logits])
     logits = top_k_filter(logits / params.temperature, params.top_k)
-    logits = min_p_filter(top_p_filter(logits, params.top_p), params.min_p)
-    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+    return torch.softmax(min_p_filter(top_p_filter(logits, params.top_p), params.min_p), dim=-1)
+
+
+def sample(logits, params, generator=None, seen_ids=(), output_ids=()):
+    """logits: [V] for one sequence -> the next token id, as a 0-d tensor."""
+    logits = adjusted(logits, params, seen_ids, output_ids)
+    if params.greedy:
+        return torch.argmax(logits)
+    return torch.multinomial(probabilities(logits, params), 1, generator=generator)[0]
+
+
+def uniform(count, generator, device):
+    return torch.rand(count, generator=generator, device=device)
