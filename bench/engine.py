@@ -5,10 +5,13 @@
 (a) transformers `generate`, requests one after another;
 (b) the bare batched forward loop (transformers, DynamicCache, equal prompts) at batch 1, 8, 32:
     the ceiling for this model on this machine;
-(c) the engine with 1, 8 and 32 concurrent requests of mixed prompt lengths.
-Prints tokens/s for each and the ratios to (a) and (b), the time to first token of a request
-that joins a busy batch (against its own prefill plus two decode steps), and peak memory
-(resident set) with 32 running sequences of 2,000 tokens.
+(c) the engine with 1, 8 and 32 concurrent requests of mixed prompt lengths, in float32 and in
+    the weight format it measured fastest at load.
+Prints tokens/s for each and the ratios to (a) and (b); 32 requests arriving at once beside 4
+running streams (times to first token, the running streams' worst gap), with the prefill budget
+growing while prompts wait and without; one stream with prompt-lookup drafts and without; the
+time to first token of a request that joins a busy batch (against its own prefill plus two
+decode steps); and peak memory (resident set) with 32 running sequences of 2,000 tokens.
 """
 
 import argparse
@@ -18,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,7 +33,8 @@ from inference.worker.engine import (  # noqa: E402
     Engine,
     Request,
     SamplingParams,
-    loader,  # noqa: E402
+    llama,
+    loader,
 )
 
 MODEL = "smollm2-135m-instruct"
@@ -49,8 +54,8 @@ def prompts(tokenizer, count):
     return out
 
 
-def make_engine(lm, max_running, cache_tokens=48_000):
-    return Engine.for_model(lm, cache_tokens, max_running=max_running, step_tokens=STEP_TOKENS)
+def make_engine(lm, max_running, cache_tokens=48_000, weights="auto"):
+    return Engine.for_model(lm, cache_tokens, max_running=max_running, step_tokens=STEP_TOKENS, weights=weights)
 
 
 def hf_sequential(lm, batch, tokens):
@@ -81,48 +86,91 @@ def run(engine):
         engine.step()
 
 
-def start_all(lm, batch, max_tokens):
-    engine = make_engine(lm, max_running=len(batch) + 1)  # room for one more to join
-    requests = [Request(f"r{n}", p, SamplingParams(max_tokens=max_tokens, temperature=0, logit_bias=NO_STOP)) for n, p in enumerate(batch)]
+def start_all(lm, batch, max_tokens, weights="auto", speculative=True):
+    engine = make_engine(lm, max_running=len(batch) + 1, weights=weights)  # room for one more to join
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, logit_bias=NO_STOP, speculative=speculative)
+    requests = [Request(f"r{n}", p, params) for n, p in enumerate(batch)]
     for request in requests:
         engine.add(request)
     return engine, requests
 
 
-def engine_throughput(lm, batch, tokens):
+def engine_throughput(lm, batch, tokens, **options):
     """Tokens/s from arrival to the last token, prefill included."""
-    engine, requests = start_all(lm, batch, tokens)
+    engine, requests = start_all(lm, batch, tokens, **options)
     start = time.perf_counter()
     run(engine)
     return sum(len(r.output_ids) for r in requests) / (time.perf_counter() - start)
 
 
-def engine_decoding(lm, batch, steps):
+def engine_decoding(lm, batch, steps, **options):
     """Tokens/s of steps in which every request decodes: the figure to hold against (b); and
     the mean context length then, for (b) to decode at."""
-    engine, requests = start_all(lm, batch, 1024)
+    engine, requests = start_all(lm, batch, 1024, **options)
     while engine.waiting or any(r.first_token_at is None for r in requests):
         engine.step()
     context = statistics.mean(len(r.all_ids) for r in requests) + steps / 2
+    before = sum(len(r.output_ids) for r in requests)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    return len(batch) * steps / (time.perf_counter() - start), round(context - steps / 2)
+    produced = sum(len(r.output_ids) for r in requests) - before
+    return produced / (time.perf_counter() - start), round(context - steps / 2)
 
 
-def prefill_budget_ab(lm, batch, tokens):
-    """32 arrivals at once, with the prefill budget of a step flat (TOKSTREAM_STEP_TOKENS) and
-    scaled with the decode batch (engine.PREFILL_PER_DECODE), alternated in this process."""
-    from inference.worker.engine import engine as engine_module
+def speculation_ab(lm, tokens):
+    """One greedy stream, drafts on and off, alternated: a reply that copies its prompt and one
+    that does not."""
+    copy = "Repeat this list exactly, one item per line: " + ", ".join(TOPICS) + "."
+    for label, text in (("copying reply", copy), ("free reply", "Tell me about the history of tea.")):
+        prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        runs = {False: [], True: []}
+        for _ in range(2):
+            for speculative in runs:
+                engine, requests = start_all(lm, [prompt], tokens, speculative=speculative)
+                start = time.perf_counter()
+                run(engine)
+                runs[speculative].append(len(requests[0].output_ids) / (time.perf_counter() - start))
+        kept, drafted = engine.stats["draft_tokens_kept"], engine.stats["draft_tokens"]
+        off, on = statistics.median(runs[False]), statistics.median(runs[True])
+        print(f"one stream, {label}: drafts off {off:6.1f} tok/s, on {on:6.1f} tok/s: x{on / off:.2f}; {kept} of {drafted} draft tokens kept")
 
-    scaled_budget = engine_module.PREFILL_PER_DECODE
-    runs = {0: [], scaled_budget: []}
+
+def burst(lm, tokens, running=4, arrivals=32):
+    """`arrivals` chat requests arriving at once beside `running` decoding streams: their times
+    to first token, and the running streams' worst gap against their usual one."""
+    questions = [f"Write a short note about {TOPICS[i % len(TOPICS)]} number {i}." for i in range(arrivals + running)]
+    chats = [lm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
+    engine = make_engine(lm, max_running=arrivals + running, cache_tokens=(arrivals + running) * 512)
+    params = SamplingParams(max_tokens=tokens, temperature=0, logit_bias=NO_STOP, speculative=False)
+    streams = [Request(f"s{n}", p, params) for n, p in enumerate(chats[:running])]
+    engine.add(*streams)
+    while any(r.first_token_at is None for r in streams):
+        engine.step()
+    usual = statistics.median(timed_steps(engine, 8))
+    newcomers = [Request(f"b{n}", p, replace(params, max_tokens=8)) for n, p in enumerate(chats[running:])]
+    engine.add(*newcomers)
+    gaps = []
+    while any(r.first_token_at is None for r in newcomers):
+        gaps += timed_steps(engine, 1)
+    ttfts = sorted(r.first_token_at - r.arrived_at for r in newcomers)
+    return ttfts[len(ttfts) // 2], ttfts[int(len(ttfts) * 0.95)], max(gaps) / usual
+
+
+def burst_ab(lm, tokens):
+    """The burst with the budget growing while prompts wait, against the steady budget alone."""
+    from inference.worker.engine import budget
+
+    shipped, runs = budget.GAP_BOUND, {1.0: [], budget.GAP_BOUND: []}
     for _ in range(2):
-        for per_decode in runs:
-            engine_module.PREFILL_PER_DECODE = per_decode
-            runs[per_decode].append(engine_throughput(lm, batch, tokens))
-    engine_module.PREFILL_PER_DECODE = scaled_budget
-    return statistics.median(runs[0]), statistics.median(runs[scaled_budget])
+        for bound in runs:
+            budget.GAP_BOUND = bound  # 1.0: no room over a plain step, the steady budget only
+            runs[bound].append(burst(lm, tokens))
+    budget.GAP_BOUND = shipped
+    for bound, results in runs.items():
+        p50, p95, gap = (statistics.median(r[i] for r in results) for i in range(3))
+        label = "growing budget" if bound > 1 else "steady budget "
+        print(f"32 arriving beside 4 streams, {label}: TTFT p50 {p50 * 1000:5.0f} ms, p95 {p95 * 1000:5.0f} ms; running streams' worst gap x{gap:.2f} of usual")
 
 
 def join_busy_batch(lm, batch, tokens):
@@ -200,17 +248,20 @@ def main():
     sequential = None if args.quick else hf_sequential(lm, batch32[:8], args.tokens)
     if sequential:
         print(f"(a) generate, one request after another (prefill included): {sequential:7.1f} tok/s")
+    weights = make_engine(lm, 1).runner.weights
+    print(f"weights measured at load (linear layers per step, 1 / 32 tokens): {llama.describe(weights.timings)}; chosen: {weights.format}")
     for size in (1, 8, 32):
-        decoding, context = engine_decoding(lm, batch32[:size], args.tokens)
+        exact, context = engine_decoding(lm, batch32[:size], args.tokens, weights="float32", speculative=False)
+        decoding, _ = engine_decoding(lm, batch32[:size], args.tokens, speculative=False)
         bare = bare_loop(lm, size, args.tokens, context)  # the ceiling, at the engine's mean context
         whole = engine_throughput(lm, batch32[:size], args.tokens)
         vs_a = f"   whole/(a) x{whole / sequential:5.2f}" if sequential else ""
         print(
-            f"batch {size:2d}: (b) bare decode {bare:6.1f} tok/s | (c) engine decoding {decoding:6.1f} tok/s, "
-            f"x{decoding / bare:4.2f} of (b) | engine with prefill {whole:6.1f} tok/s{vs_a}"
+            f"batch {size:2d}: (b) bare decode {bare:6.1f} tok/s | (c) engine decoding, float32 {exact:6.1f}, {weights.format} {decoding:6.1f} tok/s, "
+            f"x{exact / bare:4.2f} / x{decoding / bare:4.2f} of (b) | engine with prefill {whole:6.1f} tok/s{vs_a}"
         )
-    flat, scaled = prefill_budget_ab(lm, batch32, args.tokens)
-    print(f"batch 32 with prefill: flat budget {flat:6.1f} tok/s, budget scaled with the batch {scaled:6.1f} tok/s: x{scaled / flat:.2f}")
+    burst_ab(lm, args.tokens)
+    speculation_ab(lm, args.tokens)
     ttft, prefill, step = join_busy_batch(lm, batch32[:31], args.tokens)
     print(
         f"joining 31 busy requests: TTFT {ttft * 1000:.0f} ms; own prefill alone {prefill * 1000:.0f} ms + 2 steps of {step * 1000:.0f} ms = {(prefill + 2 * step) * 1000:.0f} ms"

@@ -24,9 +24,14 @@ HISTOGRAMS = {
     "inter_token_latency_seconds": ("Time between a request's successive outputs.", (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)),
     "e2e_request_latency_seconds": ("Time from arrival to the end of the request.", (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)),
 }
+DRAFT_COUNTERS = {
+    "draft_tokens": "Prompt-lookup draft tokens the model verified.",
+    "draft_tokens_kept": "Draft tokens the model agreed with: divided by draft_tokens, the acceptance rate.",
+}
 COUNTERS = {
     "prompt_tokens": "Prompt tokens the model consumed (steering included).",
     "completion_tokens": "Tokens the model produced.",
+    **DRAFT_COUNTERS,
 }
 
 
@@ -60,6 +65,13 @@ def record_request(client, model, outcome, timings, gaps, prompt_tokens, complet
         pipe.hincrby(metrics_key(), field("prompt_tokens", model), prompt_tokens)
         pipe.hincrby(metrics_key(), field("completion_tokens", model), completion_tokens)
         pipe.hincrby(metrics_key(), field("requests", model, outcome), 1)
+        pipe.execute()
+
+
+def add_counts(client, model, counts):
+    with client.pipeline(transaction=False) as pipe:
+        for name, count in counts.items():
+            pipe.hincrby(metrics_key(), field(name, model), count)
         pipe.execute()
 
 

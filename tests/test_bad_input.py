@@ -108,6 +108,7 @@ def test_it_refuses_sampling_parameters_out_of_range(post, field, value):
         ({"tokstream": {"beam_width": 0}}, "tokstream.beam_width"),
         ({"tokstream": {"beam_width": 9}}, "tokstream.beam_width"),
         ({"tokstream": {"beam_width": "4"}}, "tokstream.beam_width"),
+        ({"tokstream": {"speculative": "no"}}, "tokstream.speculative"),
         ({"tokstream": {"beams": 4}}, "tokstream.beams"),
         ({"tokstream": 4}, "tokstream"),
         ({"tokstream": {"beam_width": 4}, "n": 2}, "n"),

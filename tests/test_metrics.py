@@ -5,6 +5,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.sse import MODEL, chat_body, stream_chat
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -38,3 +39,17 @@ def test_a_request_shows_up_in_every_family(live_service, api_key):
     assert value(after, gaps) - value(before, gaps) >= 3  # one per gap between streamed outputs
     assert value(after, "tokstream_inter_token_latency_seconds_bucket", le="+Inf") == value(after, gaps)
     assert ("tokstream_requests_running", (("model", MODEL),)) in after
+
+
+def test_prompt_lookup_drafts_and_their_acceptance_are_counted(live_service, api_key):
+    before = scrape(live_service)
+    copying = "Repeat this list exactly, one item per line: apples, pears, plums, cherries, lemons, limes, figs, dates."
+    stream_chat(live_service, api_key, chat_body(copying, max_tokens=40, temperature=0, stream=True))
+
+    def counted():  # the worker adds them with its heartbeat, every TOKSTREAM_WORKER_TTL / 3
+        after = scrape(live_service)
+        kept = value(after, "tokstream_draft_tokens_kept_total") - value(before, "tokstream_draft_tokens_kept_total")
+        drafted = value(after, "tokstream_draft_tokens_total") - value(before, "tokstream_draft_tokens_total")
+        return 0 < kept <= drafted
+
+    eventually(counted, 20, message="no drafts counted")

@@ -29,6 +29,7 @@ def start_with(**env):
         ("TOKSTREAM_MODELS", "{not json"),
         ("TOKSTREAM_MODELS", '{"m": "/models/m"}'),
         ("TOKSTREAM_DTYPE", "float8"),
+        ("TOKSTREAM_WEIGHTS", "int3"),
         ("TOKSTREAM_DEVICE", "gpu0"),
         ("TOKSTREAM_DEVICE", "cuda:0,,cuda:1"),
         ("LOG_LEVEL", "LOUD"),

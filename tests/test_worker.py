@@ -11,6 +11,7 @@ from tests.sse import MODEL
 @pytest.fixture
 def two_cpu_engines(settings, monkeypatch, redis_client):
     settings.TOKSTREAM_DEVICE = "cpu,cpu"  # as two GPUs would be: one engine each
+    settings.TOKSTREAM_WEIGHTS = "float32"  # their replies are compared with `generate`
     settings.TOKSTREAM_REDIS_PREFIX += ":two-engines"  # their heartbeats stay out of the service's
     monkeypatch.setattr(worker, "_loops", {})
     yield

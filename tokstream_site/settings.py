@@ -148,6 +148,7 @@ TOKSTREAM_DEVICE = env_str("TOKSTREAM_DEVICE", "auto")
 if not re.fullmatch(r"auto|(cpu|mps|cuda(:\d+)?)(,(cpu|mps|cuda(:\d+)?))*", TOKSTREAM_DEVICE):
     raise ImproperlyConfigured(f"TOKSTREAM_DEVICE={TOKSTREAM_DEVICE!r} must be auto, or cpu, mps, cuda, cuda:N or a comma-separated list of them")
 TOKSTREAM_DTYPE = env_choice("TOKSTREAM_DTYPE", "auto", ["auto", "float32", "bfloat16", "float16"])
+TOKSTREAM_WEIGHTS = env_choice("TOKSTREAM_WEIGHTS", "auto", ["auto", "float32", "bfloat16", "float16", "int8", "int4"])
 # A CPU worker decodes 32 streams at once; a GPU, many more for the same step time. (The CUDA
 # device files tell without importing torch in every web process.)
 _GPU = TOKSTREAM_DEVICE != "cpu" and bool(glob.glob("/dev/nvidia[0-9]*"))

@@ -15,7 +15,7 @@ import uuid
 
 from django.conf import settings
 
-from inference import backends, registry, streamlog
+from inference import backends, metrics, registry, streamlog
 from inference.worker.engine import Engine, Request, SamplingParams, loader
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ class EngineLoop(threading.Thread):
         self.redis = redis_client
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{BOOT}:{model.device}"  # one engine of the process
         self.last_beat = 0.0
+        self.reported = {}  # draft counts already added to the metrics
         self.outboxes = {}
         self.claimed = set()  # request ids this worker claimed: they must stay claimed to run
         self.claims_lock = threading.Lock()  # task threads submit while the loop prunes
@@ -83,6 +84,15 @@ class EngineLoop(threading.Thread):
         if time.monotonic() - self.last_beat >= settings.TOKSTREAM_WORKER_TTL / 3:
             streamlog.heartbeat(self.redis, self.worker_id, self.model.name, len(self.engine.running), len(self.engine.waiting))
             self.last_beat = time.monotonic()
+            self.report_drafts()
+
+    def report_drafts(self):
+        """The engine's draft counts since the last report: a step is too often to write them."""
+        counts = {name: self.engine.stats[name] for name in metrics.DRAFT_COUNTERS}
+        new = {name: counts[name] - self.reported.get(name, 0) for name in counts}
+        if any(new.values()):
+            metrics.add_counts(self.redis, self.model.name, new)
+        self.reported = counts
 
     def apply_signals(self):
         # Waiting requests too: one whose client left while it queued is never prefilled.
@@ -124,6 +134,7 @@ def build_engine(lm):
         settings.TOKSTREAM_KV_CACHE_TOKENS,
         max_running=settings.TOKSTREAM_MAX_RUNNING,
         step_tokens=settings.TOKSTREAM_STEP_TOKENS,
+        weights=settings.TOKSTREAM_WEIGHTS,
     )
     warm_up(engine)
     return engine

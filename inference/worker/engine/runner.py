@@ -30,21 +30,20 @@ class AttentionPlan:
     def __init__(self, chunks, block_size, device):
         self.device = device
         self.block_size = block_size
+        # Plain lists until each tensor is built: reading a number back from a GPU waits for it.
         lengths = [len(c.token_ids) for c in chunks]
-        starts = torch.tensor([0, *lengths], device=device).cumsum(0)
-        ends = list(itertools.accumulate(lengths))
-        rows = [row for c, end in zip(chunks, ends) for row in (range(end - len(c.token_ids), end) if c.all_logits else [end - 1])]
+        starts = [0, *itertools.accumulate(lengths)]
+        rows = [row for c, start in zip(chunks, starts) for row in (range(start, start + len(c.token_ids)) if c.all_logits else [start + len(c.token_ids) - 1])]
         self.logit_rows = torch.tensor(rows, device=device)
-        self.slots = torch.cat([self.new_slots(c) for c in chunks])  # [N]
+        self.slots = torch.tensor([slot for c in chunks for slot in self.new_slots(c)], device=device)  # [N]
         one = [i for i, n in enumerate(lengths) if n == 1]
-        self.decode = self.decode_group([chunks[i] for i in one], starts[one]) if one else None
-        self.prefills = [self.prefill_group(c, int(starts[i])) for i, c in enumerate(chunks) if lengths[i] > 1]
+        self.decode = self.decode_group([chunks[i] for i in one], torch.tensor([starts[i] for i in one], device=device)) if one else None
+        self.prefills = [self.prefill_group(c, starts[i]) for i, c in enumerate(chunks) if lengths[i] > 1]
 
     def new_slots(self, chunk):
         """Cache slots of the chunk's own tokens."""
-        positions = torch.arange(chunk.start, chunk.start + len(chunk.token_ids))
-        blocks = torch.tensor(chunk.blocks)[positions // self.block_size]
-        return (blocks * self.block_size + positions % self.block_size).to(self.device)
+        size = self.block_size
+        return [chunk.blocks[p // size] * size + p % size for p in range(chunk.start, chunk.start + len(chunk.token_ids))]
 
     def used_blocks(self, chunk):
         end = chunk.start + len(chunk.token_ids)
