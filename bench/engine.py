@@ -121,7 +121,7 @@ def engine_decoding(lm, batch, steps, **options):
 def speculation_ab(lm, tokens):
     """One greedy stream, drafts on and off, alternated: a reply that copies its prompt and one
     that does not."""
-    copy = "Repeat this list exactly, one item per line: " + ", ".join(TOPICS) + "."
+    copy = "Add type hints to this function and change nothing else:\n\ndef mean(values, weights):\n    total = sum(v * w for v, w in zip(values, weights))\n    return total / sum(weights)\n"
     for label, text in (("copying reply", copy), ("free reply", "Tell me about the history of tea.")):
         prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         runs = {False: [], True: []}
@@ -248,8 +248,12 @@ def main():
     sequential = None if args.quick else hf_sequential(lm, batch32[:8], args.tokens)
     if sequential:
         print(f"(a) generate, one request after another (prefill included): {sequential:7.1f} tok/s")
-    weights = make_engine(lm, 1).runner.weights
-    print(f"weights measured at load (linear layers per step, 1 / 32 tokens): {llama.describe(weights.timings)}; chosen: {weights.format}")
+    runner = make_engine(lm, 1).runner
+    weights = runner.decoding
+    print(
+        f"weights measured at load (linear layers per step, 1 / 32 / {llama.PREFILL_TOKENS} tokens): {llama.describe(weights.timings)}; "
+        f"decoding in {weights.format}, prefill in {runner.prefilling.format}"
+    )
     for size in (1, 8, 32):
         exact, context = engine_decoding(lm, batch32[:size], args.tokens, weights="float32", speculative=False)
         decoding, _ = engine_decoding(lm, batch32[:size], args.tokens, speculative=False)

@@ -60,7 +60,8 @@ def service_run(url, key, tokens):
     first = count = None
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120) as r:
         for line in r.iter_lines():
-            if line.startswith("data: {") and first is None:
+            # The first chunk only names the role (sent on admission): the first token's has text.
+            if line.startswith("data: {") and first is None and '"content":"' in line and '"content":""' not in line:
                 first = time.perf_counter()
             if '"usage":{"prompt_tokens"' in line:
                 count = int(line.split('"completion_tokens":')[1].split(",")[0])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from inference.worker.engine import Request, SamplingParams
-from inference.worker.engine.llama import Int4, Int8, LlamaWeights, score, weights_for
+from inference.worker.engine.llama import Int4, Int8, LlamaWeights, formats_for, score
 from inference.worker.engine.runner import Chunk
 from tests.test_engine import QUESTIONS, chat, real_engine, run
 
@@ -45,8 +45,10 @@ def test_int4_keeps_the_4_bit_matrices_of_the_gguf_and_gives_the_embedding_int8(
     assert isinstance(weights.lm_head, Int8)  # 6-bit in the GGUF: 4 bits would lose too much
 
 
-def test_auto_takes_the_format_that_measured_fastest_here(model):
-    weights = weights_for(model.model, "auto", model.device)
-    assert set(weights.timings) == {"float32", "bfloat16", "int8", "int4"}
-    assert score(weights.timings[weights.format]) == min(map(score, weights.timings.values()))
-    assert weights_for(model.model, "auto", model.device) is weights  # measured once per process
+def test_auto_decodes_and_prefills_in_the_formats_that_measured_fastest_here(model):
+    decoding, prefilling = formats_for(model.model, "auto", model.device)
+    timings = decoding.timings  # seconds at 1, 32 and PREFILL_TOKENS tokens
+    assert set(timings) == {"float32", "bfloat16", "int8", "int4"}
+    assert score(timings[decoding.format]) == min(map(score, timings.values()))
+    assert timings[prefilling.format][2] == min(times[2] for times in timings.values())
+    assert formats_for(model.model, "auto", model.device)[0] is decoding  # measured once per process

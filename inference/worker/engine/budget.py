@@ -11,37 +11,64 @@ MIN_PREFILL_TOKENS = 16  # a step's prefill share however many decode: waiting p
 PREFILL_PER_DECODE = 2
 GAP_BOUND = 2.5  # a step with prompt tokens takes at most this many plain decode steps
 FULL_URGENCY_SECONDS = 0.5  # a prompt waiting this long gets the whole bound
-DECAY = 0.9  # the weight of earlier steps in the cost estimate: the machine's load changes
+DECAY = 0.95  # the weight of earlier steps in the cost estimate: the machine's load changes
+
+
+class Line:
+    """y ~ fixed + slope * x over recent points (least squares, earlier points decayed)."""
+
+    def __init__(self):
+        self.sums = [0.0] * 5  # weight, x, y, x², x * y
+        self.points = 0
+
+    def add(self, x, y):
+        terms = (1.0, x, y, x * x, x * y)
+        self.sums = [DECAY * total + term for total, term in zip(self.sums, terms)]
+        self.points += 1
+
+    def at(self, x):
+        """The fitted y at x; the mean y while every x seen was the same; None before 3 points."""
+        weight, sx, sy, sxx, sxy = self.sums
+        if self.points < 3:
+            return None
+        slope = self.slope()
+        return sy / weight if slope is None else (sy - slope * sx) / weight + slope * x
+
+    def slope(self):
+        weight, sx, sy, sxx, sxy = self.sums
+        spread = weight * sxx - sx * sx
+        if self.points < 3 or spread <= 1e-6 * max(weight * sxx, 1.0):
+            return None
+        slope = (weight * sxy - sx * sy) / spread
+        return slope if slope > 0 else None
 
 
 class StepCost:
-    """seconds ~ fixed + per_token * tokens, fitted to recent steps (least squares, decayed)."""
+    """What a step costs, from the steps measured: by its decoding rows (a token or a draft
+    each) in steps without prompt tokens, and by its prompt tokens beyond that."""
 
     def __init__(self):
-        self.sums = [0.0] * 5  # weight, tokens, seconds, tokens², tokens * seconds
+        self.decode, self.prefill = Line(), Line()
 
-    def add(self, tokens, seconds):
-        terms = (1.0, tokens, seconds, tokens * tokens, tokens * seconds)
-        self.sums = [DECAY * total + term for total, term in zip(self.sums, terms)]
-
-    def line(self):
-        """(fixed, per_token), or None until the steps seen differ enough in size."""
-        weight, x, y, xx, xy = self.sums
-        spread = weight * xx - x * x
-        if weight < 3 or spread <= 1e-9 * max(weight * xx, 1.0):
-            return None
-        per_token = (weight * xy - x * y) / spread
-        fixed = (y - per_token * x) / weight
-        return (max(fixed, 0.0), per_token) if per_token > 0 else None
+    def add(self, decode_rows, prompt_tokens, seconds):
+        if not prompt_tokens:
+            self.decode.add(decode_rows, seconds)
+        elif (plain := self.decode.at(decode_rows)) is not None:
+            self.prefill.add(prompt_tokens, max(seconds - plain, 0.0))
 
     def tokens_within(self, bound, decoding):
         """Prompt tokens a step of `decoding` sequences can carry within `bound` plain steps."""
-        line = self.line()
-        if line is None:
+        usual, per_token = self.decode.at(decoding), self.prefill.slope()
+        if usual is None or per_token is None:
             return 0
-        fixed, per_token = line
-        usual = fixed + per_token * decoding
         return int((bound - 1) * usual / per_token)
+
+    def draft_share(self, decoding, drafts):
+        """How much longer a step of `decoding` sequences gets with `drafts` draft tokens."""
+        usual, per_row = self.decode.at(decoding), self.decode.slope()
+        if usual is None or per_row is None:
+            return None
+        return per_row * drafts / usual
 
 
 def prefill_budget(decoding, waiting_tokens, oldest_wait, cost, step_tokens, idle_chunk):

@@ -203,7 +203,8 @@ class Engine:
     def _forward(self, chunks):
         start = time.perf_counter()
         logits = self.runner.forward(chunks)
-        self.step_cost.add(sum(len(c.token_ids) for c in chunks), time.perf_counter() - start)
+        prompt = sum(len(c.token_ids) for c in chunks if len(c.token_ids) > 1 and not c.all_logits)
+        self.step_cost.add(sum(len(c.token_ids) for c in chunks) - prompt, prompt, time.perf_counter() - start)
         return logits
 
     def _drop_finished(self):
@@ -329,7 +330,7 @@ class Engine:
         prefilling = [r for r in self.running if not r.beam_tables and r.pending() > 1]
         scheduled, drafts = [], DRAFT_TOKENS - len(decoding)
         for request in decoding:
-            draft = self._draft(request, drafts)
+            draft = self._draft(request, drafts, len(decoding))
             drafts -= len(draft)
             scheduled.append((request, self._chunk(request, 1, draft)))
         scheduled += [pair for r in beaming for pair in self._beam_chunks(r)]
@@ -354,8 +355,9 @@ class Engine:
         self._grow(request, request.blocks, start + len(tokens))
         return Chunk(tokens, start, request.blocks, request.request_id, all_logits=bool(draft))
 
-    def _draft(self, request, budget):
-        """Draft tokens to verify with the request's next token, within its reservation."""
+    def _draft(self, request, budget, decoding):
+        """Draft tokens to verify with the request's next token, within its reservation, when
+        the tokens it is likely to keep are worth the longer step."""
         if budget <= 0 or not self._speculates(request):
             return []
         held = (len(request.blocks) + request.reserved) * self.pool.block_size
@@ -364,7 +366,15 @@ class Engine:
         if room <= 0:
             return []
         request.drafter = request.drafter or Drafter()
-        return request.drafter.propose(request.all_ids, min(DRAFT_LENGTH, budget, room))
+        draft = request.drafter.propose(request.all_ids, min(DRAFT_LENGTH, budget, room))
+        return draft if draft and self._drafts_pay(request, decoding, len(draft)) else []
+
+    def _drafts_pay(self, request, decoding, size):
+        """Tokens expected to be kept (from the request's own record, starting from one in
+        two) against how much longer the step gets, both from what was measured here."""
+        share = self.step_cost.draft_share(decoding, size)
+        rate = (request.draft_kept + 1) / (request.drafted + 2)
+        return share is None or sum(rate**i for i in range(1, size + 1)) > share
 
     def _speculates(self, request):
         """A seeded sample must not depend on its neighbours, as drafts (offered only while

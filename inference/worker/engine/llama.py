@@ -85,6 +85,7 @@ class Int4(Linear):
 
 
 def linear(weight, fmt, bias=None):
+    """weight: [out, in] in the model's dtype -> a Linear in `fmt`."""
     if fmt == "int8":
         layer = Int8(weight)
     elif fmt == "int4":
@@ -97,8 +98,16 @@ def linear(weight, fmt, bias=None):
     return layer
 
 
-def fused(*modules):
-    weight = torch.cat([m.weight for m in modules])
+def fused(modules, share):
+    """One matrix for several projections. With `share`, the modules' own weights become
+    views of it, so that the model in its own dtype is not held twice."""
+    weight = torch.cat([m.weight.detach() for m in modules])
+    if share:
+        offset = 0
+        for m in modules:
+            rows = m.weight.shape[0]
+            m.weight.data = weight[offset : offset + rows]
+            offset += rows
     biases = [m.bias for m in modules]
     return weight, None if biases[0] is None else torch.cat(biases).detach()
 
@@ -106,12 +115,13 @@ def fused(*modules):
 class Layer:
     def __init__(self, block, fmt):
         attn, mlp = block.self_attn, block.mlp
+        share = fmt == str(attn.q_proj.weight.dtype).removeprefix("torch.")
         self.input_norm = block.input_layernorm.weight.detach()
         self.post_norm = block.post_attention_layernorm.weight.detach()
-        weight, bias = fused(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.qkv = linear(weight.detach(), fmt, bias)
+        weight, bias = fused([attn.q_proj, attn.k_proj, attn.v_proj], share)
+        self.qkv = linear(weight, fmt, bias)
         self.o = linear(attn.o_proj.weight.detach(), fmt, attn.o_proj.bias)
-        self.gate_up = linear(fused(mlp.gate_proj, mlp.up_proj)[0].detach(), fmt)
+        self.gate_up = linear(fused([mlp.gate_proj, mlp.up_proj], share)[0], fmt)
         self.down = linear(mlp.down_proj.weight.detach(), fmt)
 
 
@@ -126,6 +136,15 @@ class LlamaWeights:
         self.norm = body.norm.weight.detach()
         self.layers = [Layer(block, fmt) for block in body.layers]
         self.lm_head = linear(model.lm_head.weight.detach(), fmt)
+        self.timings = {}
+
+    @classmethod
+    def of(cls, model, fmt):
+        """Built once per model and format: engines over the same model share them."""
+        built = model.__dict__.setdefault("_tokstream_weights", {})
+        if fmt not in built:
+            built[fmt] = cls(model, fmt)
+        return built[fmt]
 
     def linears(self):
         return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
@@ -159,7 +178,11 @@ def rotary_table(model, length, device):
 
 
 class LlamaRunner:
-    """forward(chunks) -> logits, for the engine; see runner.AttentionPlan for the chunks."""
+    """forward(chunks) -> logits, for the engine; see runner.AttentionPlan for the chunks.
+
+    Decoding rows (one token of a sequence, or a draft to verify) and prefill rows may read
+    the weights in different formats: one token is bound by weight bytes, hundreds by
+    arithmetic, and what is fastest for each is measured at load."""
 
     verifies_drafts = True  # gives logits after every token of a chunk that asks
 
@@ -171,69 +194,84 @@ class LlamaRunner:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.attention = PagedAttention(pool, self.kv_heads, self.head_dim, device)
-        self.weights = weights_for(model, fmt, device)
-        self.format = self.weights.format
+        self.decoding, self.prefilling = formats_for(model, fmt, device)
+        self.format = self.decoding.format
         self.cos, self.sin = rotary_table(model, context_length, device)
 
     @torch.inference_mode()
     def forward(self, chunks):
         """-> logits [rows, V]: for each chunk the row after its last token, or after each of
         its tokens for a chunk that asks for all of them (a speculative draft to verify)."""
-        w, plan = self.weights, AttentionPlan(chunks, self.pool.block_size, self.device)
+        w, plan = self.decoding, AttentionPlan(chunks, self.pool.block_size, self.device)
         ids = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)  # [N]
         positions = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks]).to(self.device)
         x = F.embedding(ids, w.embed)  # [N, hidden]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [N, 1, D]
         sizes = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
-        n = len(ids)
-        for index, layer in enumerate(w.layers):
-            q, k, v = layer.qkv(rms_norm(x, layer.input_norm, w.eps)).split(sizes, dim=-1)
+        n, split = len(ids), plan.decode_rows
+        for index, (layer, wide) in enumerate(zip(w.layers, self.prefilling.layers)):
+            q, k, v = rows_through(layer.qkv, wide.qkv, rms_norm(x, layer.input_norm, w.eps), split).split(sizes, dim=-1)
             q = rotate(q.view(n, self.heads, self.head_dim), cos, sin)
             k = rotate(k.view(n, self.kv_heads, self.head_dim), cos, sin)
             self.pool.k[index].index_copy_(0, plan.slots, k)
             self.pool.v[index].index_copy_(0, plan.slots, v.view(n, self.kv_heads, self.head_dim))
-            x = x + layer.o(self.attention(index, q, plan))
-            gate, up = layer.gate_up(rms_norm(x, layer.post_norm, w.eps)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-        return w.lm_head(rms_norm(x[plan.logit_rows], w.norm, w.eps))
+            x = x + rows_through(layer.o, wide.o, self.attention(index, q, plan), split)
+            gate, up = rows_through(layer.gate_up, wide.gate_up, rms_norm(x, layer.post_norm, w.eps), split).chunk(2, dim=-1)
+            x = x + rows_through(layer.down, wide.down, F.silu(gate) * up, split)
+        return rows_through(w.lm_head, self.prefilling.lm_head, rms_norm(x[plan.logit_rows], w.norm, w.eps), plan.decode_logits)
 
 
-# -- choosing the weight format by measuring it -----------------------------------------------
+def rows_through(narrow, wide, x, split):
+    """The first `split` rows through the decoding format's layer, the rest through the
+    prefill format's."""
+    if narrow is wide or split >= len(x):
+        return narrow(x)
+    if split <= 0:
+        return wide(x)
+    return torch.cat([narrow(x[:split]), wide(x[split:])])
 
-_chosen = {}  # (model, device) -> LlamaWeights
+
+# -- choosing the weight formats by measuring them --------------------------------------------
+
+_chosen = {}  # (model, device) -> (decoding format, prefill format)
+PREFILL_TOKENS = 256  # a prefill step's size, for timing the formats
 
 
 def candidates(model, device):
     """Formats worth timing here. The CPU's packed int kernels exist in every torch build, but
     whether they beat float32 depends on the CPU: only a measurement tells."""
+    own = str(model.dtype).removeprefix("torch.")
     if device.type != "cpu":
-        return [str(model.dtype).removeprefix("torch.")]
-    return ["float32", "bfloat16", "int8", "int4"]
+        return [own]
+    return list(dict.fromkeys([own, "float32", "bfloat16", "int8", "int4"]))
 
 
-def weights_for(model, fmt, device):
+def formats_for(model, fmt, device):
+    """(decoding weights, prefill weights): `fmt` for both, or with `auto` the fastest here."""
     if fmt != "auto":
-        return LlamaWeights(model, fmt)
+        weights = LlamaWeights.of(model, fmt)
+        return weights, weights
     key = (id(model), str(device))
     if key not in _chosen:
         _chosen[key] = fastest(model, candidates(model, device), device)
-    return _chosen[key]
+    return tuple(LlamaWeights.of(model, chosen) for chosen in _chosen[key])
 
 
 def fastest(model, formats, device):
-    """The format whose linear layers run fastest for one stream and for 32 at once, by the
-    geometric mean of the two: one stream is bound by weight bytes, 32 by arithmetic."""
-    if len(formats) == 1:
-        return LlamaWeights(model, formats[0])
-    best, timings = None, {}
+    """For decoding, the format whose linear layers run fastest for one stream and for 32 at
+    once, by the geometric mean of the two (one stream is bound by weight bytes, 32 by
+    arithmetic); for prefill, the fastest at PREFILL_TOKENS tokens."""
+    timings = {}
     for fmt in formats:
-        weights = LlamaWeights(model, fmt)
-        timings[fmt] = [linears_time(weights, batch, model, device) for batch in (1, 32)]
-        if best is None or score(timings[fmt]) < score(timings[best.format]):
-            best = weights
-    log.info("weights: %s; linear layers per step at 1 / 32 tokens: %s", best.format, describe(timings))
-    best.timings = timings
-    return best
+        weights = LlamaWeights.of(model, fmt)
+        timings[fmt] = [linears_time(weights, tokens, model, device) for tokens in (1, 32, PREFILL_TOKENS)]
+    decoding = min(formats, key=lambda fmt: score(timings[fmt]))
+    prefill = min(formats, key=lambda fmt: timings[fmt][2])
+    for fmt in set(formats) - {decoding, prefill}:
+        model.__dict__["_tokstream_weights"].pop(fmt)  # measured, not kept
+    LlamaWeights.of(model, decoding).timings = timings
+    log.info("weights: %s for decoding, %s for prefill; linear layers per step at 1 / 32 / %d tokens: %s", decoding, prefill, PREFILL_TOKENS, describe(timings))
+    return decoding, prefill
 
 
 def score(times):
@@ -241,7 +279,7 @@ def score(times):
 
 
 def describe(timings):
-    return ", ".join(f"{fmt} {t1 * 1e3:.1f} / {t32 * 1e3:.1f} ms" for fmt, (t1, t32) in timings.items())
+    return ", ".join(f"{fmt} " + " / ".join(f"{t * 1e3:.1f}" for t in times) + " ms" for fmt, times in timings.items())
 
 
 @torch.inference_mode()

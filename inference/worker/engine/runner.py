@@ -35,6 +35,11 @@ class AttentionPlan:
         starts = [0, *itertools.accumulate(lengths)]
         rows = [row for c, start in zip(chunks, starts) for row in (range(start, start + len(c.token_ids)) if c.all_logits else [start + len(c.token_ids) - 1])]
         self.logit_rows = torch.tensor(rows, device=device)
+        # Rows before the first prefill chunk decode (a token, or a draft): the runner may put
+        # them through weights of another format than the prefill rows after them.
+        first_prefill = next((i for i, c in enumerate(chunks) if len(c.token_ids) > 1 and not c.all_logits), len(chunks))
+        self.decode_rows = starts[first_prefill]
+        self.decode_logits = sum(row < self.decode_rows for row in rows)
         self.slots = torch.tensor([slot for c in chunks for slot in self.new_slots(c)], device=device)  # [N]
         one = [i for i, n in enumerate(lengths) if n == 1]
         self.decode = self.decode_group([chunks[i] for i in one], torch.tensor([starts[i] for i in one], device=device)) if one else None

@@ -1,0 +1,49 @@
+"""The prefill budget: steady while no prompt waits, growing while prompts wait, bounded."""
+
+from inference.worker.engine.budget import GAP_BOUND, Line, StepCost, prefill_budget
+
+STEADY = dict(step_tokens=24, idle_chunk=512)
+
+
+def measured(fixed=0.010, per_row=0.001, per_prompt_token=0.0005):
+    cost = StepCost()
+    for rows in (1, 2, 4, 8, 4, 2):
+        cost.add(rows, 0, fixed + per_row * rows)
+    for tokens in (16, 64, 32):
+        cost.add(4, tokens, fixed + per_row * 4 + per_prompt_token * tokens)
+    return cost
+
+
+def test_a_line_is_fitted_to_the_steps_seen():
+    line = Line()
+    for x in (1, 3, 5):
+        line.add(x, 2 + 0.5 * x)
+    assert abs(line.at(9) - 6.5) < 1e-9 and abs(line.slope() - 0.5) < 1e-9
+
+
+def test_the_same_size_every_step_gives_the_mean_and_no_slope():
+    line = Line()
+    for y in (1.0, 2.0, 3.0):
+        line.add(32, y)
+    assert line.slope() is None and line.at(32) > 1.0
+
+
+def test_without_waiting_prompts_the_budget_is_the_steady_one():
+    assert prefill_budget(8, 0, 0.0, measured(), **STEADY) == 16
+    assert prefill_budget(0, 900, 5.0, measured(), **STEADY) == 512  # nobody decodes: the whole chunk
+
+
+def test_the_budget_grows_with_the_wait_up_to_the_gap_bound():
+    cost = measured()
+    fresh, waited, long_waited = (prefill_budget(4, 10_000, wait, cost, **STEADY) for wait in (0.0, 0.25, 5.0))
+    assert fresh == 20 < waited < long_waited
+    usual, per_token = 0.010 + 0.001 * 4, 0.0005
+    assert abs(long_waited - (GAP_BOUND - 1) * usual / per_token) <= 1  # a step of at most GAP_BOUND plain ones
+
+
+def test_the_budget_never_exceeds_what_waits():
+    assert prefill_budget(4, 30, 5.0, measured(), **STEADY) == 30
+
+
+def test_drafts_cost_their_share_of_a_step():
+    assert abs(measured().draft_share(1, 4) - 0.004 / 0.011) < 1e-6
