@@ -194,7 +194,7 @@ class LlamaRunner:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.attention = PagedAttention(pool, self.kv_heads, self.head_dim, device)
-        self.decoding, self.prefilling = formats_for(model, fmt, device)
+        self.decoding, self.prefilling, self.prefill_from = formats_for(model, fmt, device)
         self.format = self.decoding.format
         self.cos, self.sin = rotary_table(model, context_length, device)
 
@@ -208,7 +208,9 @@ class LlamaRunner:
         x = F.embedding(ids, w.embed)  # [N, hidden]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [N, 1, D]
         sizes = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
-        n, split = len(ids), plan.decode_rows
+        n = len(ids)
+        # A few prompt tokens cost less in the decoding format than reading a second set of weights.
+        split = plan.decode_rows if n - plan.decode_rows >= self.prefill_from else n
         for index, (layer, wide) in enumerate(zip(w.layers, self.prefilling.layers)):
             q, k, v = rows_through(layer.qkv, wide.qkv, rms_norm(x, layer.input_norm, w.eps), split).split(sizes, dim=-1)
             q = rotate(q.view(n, self.heads, self.head_dim), cos, sin)
@@ -218,7 +220,8 @@ class LlamaRunner:
             x = x + rows_through(layer.o, wide.o, self.attention(index, q, plan), split)
             gate, up = rows_through(layer.gate_up, wide.gate_up, rms_norm(x, layer.post_norm, w.eps), split).chunk(2, dim=-1)
             x = x + rows_through(layer.down, wide.down, F.silu(gate) * up, split)
-        return rows_through(w.lm_head, self.prefilling.lm_head, rms_norm(x[plan.logit_rows], w.norm, w.eps), plan.decode_logits)
+        head_split = plan.decode_logits if split < n else len(plan.logit_rows)
+        return rows_through(w.lm_head, self.prefilling.lm_head, rms_norm(x[plan.logit_rows], w.norm, w.eps), head_split)
 
 
 def rows_through(narrow, wide, x, split):
@@ -247,14 +250,16 @@ def candidates(model, device):
 
 
 def formats_for(model, fmt, device):
-    """(decoding weights, prefill weights): `fmt` for both, or with `auto` the fastest here."""
+    """(decoding weights, prefill weights, the prompt tokens in a step from which its prompt
+    rows take the prefill weights): `fmt` for everything, or with `auto` the fastest here."""
     if fmt != "auto":
         weights = LlamaWeights.of(model, fmt)
-        return weights, weights
+        return weights, weights, 0
     key = (id(model), str(device))
     if key not in _chosen:
         _chosen[key] = fastest(model, candidates(model, device), device)
-    return tuple(LlamaWeights.of(model, chosen) for chosen in _chosen[key])
+    decoding, prefill, switch = _chosen[key]
+    return LlamaWeights.of(model, decoding), LlamaWeights.of(model, prefill), switch
 
 
 def fastest(model, formats, device):
@@ -270,8 +275,28 @@ def fastest(model, formats, device):
     for fmt in set(formats) - {decoding, prefill}:
         model.__dict__["_tokstream_weights"].pop(fmt)  # measured, not kept
     LlamaWeights.of(model, decoding).timings = timings
-    log.info("weights: %s for decoding, %s for prefill; linear layers per step at 1 / 32 / %d tokens: %s", decoding, prefill, PREFILL_TOKENS, describe(timings))
-    return decoding, prefill
+    switch = crossing(timings[decoding], timings[prefill])
+    log.info(
+        "weights: %s for decoding, %s for prefill from %s prompt tokens a step; linear layers per step at 1 / 32 / %d tokens: %s",
+        decoding, prefill, switch, PREFILL_TOKENS, describe(timings),
+    )  # fmt: skip
+    return decoding, prefill, switch
+
+
+def crossing(narrow, wide):
+    """The fewest tokens at which `wide` is faster than `narrow`, along the lines through the
+    times measured at 1, 32 and PREFILL_TOKENS tokens."""
+    points = (1, 32, PREFILL_TOKENS)
+    for tokens in range(1, PREFILL_TOKENS + 1):
+        if interpolated(wide, points, tokens) < interpolated(narrow, points, tokens):
+            return tokens
+    return PREFILL_TOKENS
+
+
+def interpolated(times, points, tokens):
+    low = 0 if tokens <= points[1] else 1
+    (x0, x1), (y0, y1) = points[low : low + 2], times[low : low + 2]
+    return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
 
 def score(times):
