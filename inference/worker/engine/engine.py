@@ -7,7 +7,6 @@ forward pass, samples, and emits one Output per request that produced text or fi
 """
 
 import logging
-import math
 import threading
 import time
 from collections import Counter, deque
@@ -22,9 +21,10 @@ from .beam import BeamSearch
 from .budget import StepCost, prefill_budget
 from .detokenizer import IncrementalDetokenizer
 from .echo import EchoModel, EchoRunner
-from .kv_cache import BLOCK_SIZE, BlockPool, block_hashes
+from .kv_cache import BLOCK_SIZE, BlockPool
+from .kv_manager import KVCacheManager
 from .llama import LlamaRunner
-from .logprobs import logprobs_of
+from .output_processor import OutputProcessor
 from .runner import Chunk
 from .sampling import SamplingParams, make_generator, sample
 from .speculative import Drafter, accepted, verdict_greedy, verdict_sampled
@@ -140,6 +140,8 @@ class Engine:
     def __init__(self, runner, tokenizer, stop_ids, context_length, max_running=8, step_tokens=24, idle_chunk=512, clock=time.time):
         self.runner = runner
         self.pool = runner.pool
+        self.kv = KVCacheManager(runner.pool)
+        self.outputs = OutputProcessor(tokenizer, stop_ids, context_length, clock)
         self.tokenizer = tokenizer
         self.stop_ids = frozenset(stop_ids)
         self.context_length = context_length
@@ -246,13 +248,11 @@ class Engine:
 
     def _inject(self, request, text):
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        blocks = math.ceil(len(ids) / self.pool.block_size) + 1  # +1: they may straddle a block
         fits = ids and len(request.all_ids) + len(ids) < self.context_length and request.beam is None
-        if not fits or not self.pool.reserve(blocks):
+        if not fits or not self.kv.reserve_steering(request, len(ids)):
             return self._output(
                 request, steered=text, error="steering not applied: it does not fit the context or the KV cache, or the request uses beam search"
             )
-        request.reserved += blocks
         request.all_ids += ids
         request.generated += [False] * len(ids)
         request.steered_tokens += len(ids)
@@ -279,35 +279,13 @@ class Engine:
             return "the prompt is empty"
         if len(request.prompt_ids) >= self.context_length:
             return "the prompt fills the whole context"
-        if self._worst_case(request) > self.pool.num_blocks:
+        if self.kv.never_fits(request):
             return "the request is larger than the whole KV cache"
         return None
 
-    def _worst_case(self, request):
-        """Blocks for the prompt and every token it may produce: reserved up front, so a
-        running request never runs out of cache and nothing is ever truncated. Beams share
-        the prompt's full blocks and hold the rest each."""
-        prompt, width = len(request.prompt_ids), request.params.beam_width
-        blocks = math.ceil((prompt + request.params.max_tokens) / self.pool.block_size)
-        shared = prompt // self.pool.block_size if width > 1 else 0
-        return shared + max(width, 1) * (blocks - shared)
-
     def _reserve(self, request):
-        """Reuse cached prefix blocks, then reserve the rest of the worst case."""
-        prompt, worst = request.prompt_ids, self._worst_case(request)
-        # The last prompt token is always computed: its logits give the first output token.
-        if request.prompt_hashes is None:  # once: a head that waits for room asks every step
-            request.prompt_hashes = block_hashes(prompt[:-1], self.pool.block_size)
-        cached = self.pool.lookup(request.prompt_hashes)
-        if not self.pool.reserve(worst - len(cached)):
-            self.pool.release(cached)
+        if not self.kv.admit(request):
             return False
-        # Take the whole worst case now: in one go, its blocks are neighbours in memory.
-        # Beams fork as they go: they take the prompt's blocks and keep the rest reserved.
-        now = math.ceil(len(prompt) / self.pool.block_size) if request.params.beam_width > 1 else worst
-        request.blocks = cached + [self.pool.allocate() for _ in range(now - len(cached))]
-        request.reserved = worst - now
-        request.computed = request.cached_tokens = request.prefilled = len(cached) * self.pool.block_size
         self.stats["cached_prompt_tokens"] += request.cached_tokens
         return True
 
@@ -316,7 +294,7 @@ class Engine:
         request.started_at = self.clock()
         request.all_ids = list(request.prompt_ids)
         request.generated = [False] * len(request.prompt_ids)
-        request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.params.stop)
+        self.outputs.start(request)
         request.generator = make_generator(request.params.seed, self.runner.device)
         if request.params.beam_width > 1:
             room = min(request.params.max_tokens, self.context_length - len(request.prompt_ids))
@@ -352,7 +330,7 @@ class Engine:
     def _chunk(self, request, size, draft=()):
         start = request.computed
         tokens = request.all_ids[start : start + size] + list(draft)
-        self._grow(request, request.blocks, start + len(tokens))
+        self.kv.grow(request, request.blocks, start + len(tokens))
         return Chunk(tokens, start, request.blocks, request.request_id, all_logits=bool(draft))
 
     def _draft(self, request, budget, decoding):
@@ -360,9 +338,8 @@ class Engine:
         the tokens it is likely to keep are worth the longer step."""
         if budget <= 0 or not self._speculates(request):
             return []
-        held = (len(request.blocks) + request.reserved) * self.pool.block_size
         left = request.params.max_tokens - len(request.output_ids) - 1  # the model's own token comes on top
-        room = min(left, held - len(request.all_ids), self.context_length - len(request.all_ids) - 1)
+        room = min(left, self.kv.room(request), self.context_length - len(request.all_ids) - 1)
         if room <= 0:
             return []
         request.drafter = request.drafter or Drafter()
@@ -382,17 +359,11 @@ class Engine:
         params = request.params
         return getattr(self.runner, "verifies_drafts", False) and params.speculative and not params.penalised and (params.greedy or params.seed is None)
 
-    def _grow(self, request, table, end):
-        """Blocks from the request's reservation until the table covers `end` tokens."""
-        while len(table) * self.pool.block_size < end:
-            table.append(self.pool.allocate())
-            request.reserved -= 1
-
     def _beam_chunks(self, request):
         """Each live beam's newest token, whose KV this step computes."""
         start = len(request.prompt_ids) + len(request.beam.running[0]) - 1
         for table in request.beam_tables:
-            self._grow(request, table, start + 1)
+            self.kv.grow(request, table, start + 1)
         return [(request, Chunk([tokens[-1]], start, table, request.request_id)) for tokens, table in zip(request.beam.running, request.beam_tables)]
 
     def _after_step(self, scheduled, logits):
@@ -423,7 +394,7 @@ class Engine:
         if request.pending():
             return False
         if not request.output_ids:
-            self._register_computed(request)  # the prompt is in: later requests may share it
+            self.kv.register_computed(request)  # the prompt is in: later requests may share it
         return True
 
     def _take_tokens(self, ready):
@@ -474,112 +445,33 @@ class Engine:
         return output
 
     def _next_token(self, request, logits, token):
-        request.output_ids.append(token)
-        request.all_ids.append(token)
-        request.generated.append(True)
-        if request.first_token_at is None:
-            request.first_token_at = self.clock()
-        output = self._update(request, token)
-        if request.params.logprobs and not self._is_stop_token(request, token):  # as OpenAI: no entry for the end
-            output.logprobs = [logprobs_of(self.tokenizer, logits, token, request.params.top_logprobs)]
+        text, ending = self.outputs.take(request, token)
+        output = self._finish(request, ending, text) if ending else self._output(request, text)
+        output.logprobs = self.outputs.logprobs(request, logits, token)
         return output
-
-    def _is_stop_token(self, request, token):
-        return token in self.stop_ids or token in request.params.stop_token_ids
-
-    def _update(self, request, token):
-        if self._is_stop_token(request, token):
-            return self._finish(request, FinishReason.STOP)
-        text = request.detokenizer.add(token)
-        if request.detokenizer.stopped:
-            return self._finish(request, FinishReason.STOP, text)
-        if self._out_of_room(request):
-            return self._finish(request, FinishReason.LENGTH, text)
-        return self._output(request, text)
 
     def _beam_step(self, request, logits):
         try:
-            self._fork(request, request.beam.advance(logits))
+            parents = request.beam.advance(logits)
+            self.kv.fork(request, parents, len(request.prompt_ids) + len(request.beam.running[0]) - 1 if parents else 0)
         except Exception as exc:
             log.exception("request %s failed", request.request_id)
             return self._finish(request, FinishReason.ERROR, error=f"generation failed: {exc}")
         tokens = request.beam.best() if request.beam.done else request.beam.agreed()
-        text = self._release_tokens(request, tokens)
+        text = self.outputs.take_agreed(request, tokens)
         if request.beam.done:
-            ended = tokens and self._is_stop_token(request, tokens[-1])
+            ended = tokens and self.outputs.is_stop_token(request, tokens[-1])
             return self._finish(request, FinishReason.STOP if ended else FinishReason.LENGTH, text)
         return self._output(request, text)
-
-    def _fork(self, request, parents):
-        """Each new beam takes its parent's block table: full blocks shared, and the last,
-        partial one copied for every child of a parent but the first (copy on write)."""
-        old, tables = request.beam_tables, [list(request.beam_tables[p]) for p in parents]
-        for table in tables:
-            self.pool.share(table)
-        for table in old:
-            self.pool.release(table)
-        request.beam_tables = tables
-        if tables:  # none left: the search is over, and _free gives the reservation back
-            self._settle_reservation(request)
-        computed = len(request.prompt_ids) + len(request.beam.running[0]) - 1 if tables else 0
-        if computed % self.pool.block_size:
-            last, taken = computed // self.pool.block_size, set()
-            for table in tables:
-                if table[last] in taken:
-                    table[last] = self._copy_block(request, table[last])
-                taken.add(table[last])
-
-    def _settle_reservation(self, request):
-        """Reserve again what the beams just gave back, so the worst case stays covered."""
-        held = len({block for table in request.beam_tables for block in table})
-        missing = self._worst_case(request) - held - request.reserved
-        if missing > 0 and not self.pool.reserve(missing):
-            raise RuntimeError("a beam's reservation was not honoured")
-        if missing < 0:
-            self.pool.unreserve(-missing)
-        request.reserved += missing
-
-    def _copy_block(self, request, source):
-        target = self.pool.allocate()
-        request.reserved -= 1
-        self.pool.copy(source, target)
-        self.pool.release([source])
-        return target
-
-    def _release_tokens(self, request, tokens):
-        """Stream the tokens agreed on since the last step (a prefix no beam will take back)."""
-        new = tokens[len(request.output_ids) :]
-        request.output_ids = list(tokens)
-        if new and request.first_token_at is None:
-            request.first_token_at = self.clock()
-        return "".join(request.detokenizer.add(t) for t in new if not self._is_stop_token(request, t))
-
-    def _out_of_room(self, request):
-        return len(request.output_ids) >= request.params.max_tokens or len(request.all_ids) >= self.context_length
 
     def _finish(self, request, reason, text="", error=None):
         request.status = RequestStatus.FINISHED
         request.finish_reason, request.error = reason, error
         request.finished_at = self.clock()
-        self._free(request)
-        if request.detokenizer is not None:
-            text += request.detokenizer.flush()
+        self.kv.free(request)
+        text += self.outputs.flush(request)
         return self._output(request, text, finished=True, finish_reason=reason, error=error)
 
     @staticmethod
     def _output(request, text="", **fields):
         return Output(request.request_id, text, len(request.output_ids), index=request.index, **fields)
-
-    def _register_computed(self, request):
-        computed = request.all_ids[: request.computed]
-        pairs = list(zip(request.blocks, block_hashes(computed, self.pool.block_size)))
-        for block, digest in reversed(pairs):  # a chain's head is the last to be evicted
-            self.pool.register(block, digest)
-
-    def _free(self, request):
-        """Give the blocks back, keeping the full computed ones for later prompts."""
-        self._register_computed(request)
-        for table in (request.blocks, *request.beam_tables):
-            self.pool.release(table)
-        self.pool.unreserve(request.reserved)
-        request.blocks, request.beam_tables, request.reserved = [], [], 0

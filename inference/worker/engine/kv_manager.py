@@ -1,0 +1,115 @@
+"""Every KV-cache reservation the engine makes, in one place.
+
+A request reserves its worst case when it is admitted (its prompt and every token it may
+produce; for beams, the prompt's full blocks once and the rest per beam), so a running sequence
+never runs out of blocks. Blocks are taken from that reservation as the sequence grows
+(`grow`), steering reserves its own (`reserve_steering`), beams fork by sharing blocks and
+copying the last partial one (`fork`), and `free` gives everything back, keeping the full
+computed blocks in the prefix cache.
+"""
+
+import math
+
+from .kv_cache import block_hashes
+
+
+class KVCacheManager:
+    def __init__(self, pool):
+        self.pool = pool
+        self.block_size = pool.block_size
+
+    def worst_case(self, request):
+        """Blocks for the prompt and every token it may produce. Beams share the prompt's
+        full blocks and hold the rest each."""
+        prompt, width = len(request.prompt_ids), request.params.beam_width
+        blocks = math.ceil((prompt + request.params.max_tokens) / self.block_size)
+        shared = prompt // self.block_size if width > 1 else 0
+        return shared + max(width, 1) * (blocks - shared)
+
+    def never_fits(self, request):
+        return self.worst_case(request) > self.pool.num_blocks
+
+    def admit(self, request):
+        """Reuse cached prefix blocks, then reserve the rest of the worst case; -> whether it fits."""
+        prompt, worst = request.prompt_ids, self.worst_case(request)
+        # The last prompt token is always computed: its logits give the first output token.
+        if request.prompt_hashes is None:  # once: a head that waits for room asks every step
+            request.prompt_hashes = block_hashes(prompt[:-1], self.block_size)
+        cached = self.pool.lookup(request.prompt_hashes)
+        if not self.pool.reserve(worst - len(cached)):
+            self.pool.release(cached)
+            return False
+        # Take the whole worst case now: in one go, its blocks are neighbours in memory.
+        # Beams fork as they go: they take the prompt's blocks and keep the rest reserved.
+        now = math.ceil(len(prompt) / self.block_size) if request.params.beam_width > 1 else worst
+        request.blocks = cached + [self.pool.allocate() for _ in range(now - len(cached))]
+        request.reserved = worst - now
+        request.computed = request.cached_tokens = request.prefilled = len(cached) * self.block_size
+        return True
+
+    def room(self, request):
+        """Tokens the request's blocks and reservation hold beyond its sequence so far."""
+        return (len(request.blocks) + request.reserved) * self.block_size - len(request.all_ids)
+
+    def grow(self, request, table, end):
+        """Blocks from the request's reservation until the table covers `end` tokens."""
+        while len(table) * self.block_size < end:
+            table.append(self.pool.allocate())
+            request.reserved -= 1
+
+    def reserve_steering(self, request, tokens):
+        blocks = math.ceil(tokens / self.block_size) + 1  # +1: they may straddle a block
+        if not self.pool.reserve(blocks):
+            return False
+        request.reserved += blocks
+        return True
+
+    def fork(self, request, parents, computed):
+        """Each new beam takes its parent's block table: full blocks shared, and the last,
+        partial one copied for every child of a parent but the first (copy on write)."""
+        old, tables = request.beam_tables, [list(request.beam_tables[p]) for p in parents]
+        for table in tables:
+            self.pool.share(table)
+        for table in old:
+            self.pool.release(table)
+        request.beam_tables = tables
+        if tables:  # none left: the search is over, and free() gives the reservation back
+            self._settle(request)
+        if computed % self.block_size:
+            last, taken = computed // self.block_size, set()
+            for table in tables:
+                if table[last] in taken:
+                    table[last] = self._copy_block(request, table[last])
+                taken.add(table[last])
+
+    def _settle(self, request):
+        """Reserve again what the beams just gave back, so the worst case stays covered."""
+        held = len({block for table in request.beam_tables for block in table})
+        missing = self.worst_case(request) - held - request.reserved
+        if missing > 0 and not self.pool.reserve(missing):
+            raise RuntimeError("a beam's reservation was not honoured")
+        if missing < 0:
+            self.pool.unreserve(-missing)
+        request.reserved += missing
+
+    def _copy_block(self, request, source):
+        target = self.pool.allocate()
+        request.reserved -= 1
+        self.pool.copy(source, target)
+        self.pool.release([source])
+        return target
+
+    def register_computed(self, request):
+        """Keep the request's full computed blocks for later prompts with the same beginning."""
+        computed = request.all_ids[: request.computed]
+        pairs = list(zip(request.blocks, block_hashes(computed, self.block_size)))
+        for block, digest in reversed(pairs):  # a chain's head is the last to be evicted
+            self.pool.register(block, digest)
+
+    def free(self, request):
+        """Give the blocks back, keeping the full computed ones for later prompts."""
+        self.register_computed(request)
+        for table in (request.blocks, *request.beam_tables):
+            self.pool.release(table)
+        self.pool.unreserve(request.reserved)
+        request.blocks, request.beam_tables, request.reserved = [], [], 0
