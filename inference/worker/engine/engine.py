@@ -312,14 +312,14 @@ class Engine:
             drafts -= len(draft)
             scheduled.append((request, self._chunk(request, 1, draft)))
         scheduled += [pair for r in beaming for pair in self._beam_chunks(r)]
-        budget = self._prefill_budget(len(scheduled), prefilling)
+        budget, pieces = self._prefill_budget(len(scheduled), prefilling), []
         for request in prefilling:
             if budget <= 0:
                 break
             size = min(request.pending(), budget)
-            scheduled.append((request, self._chunk(request, size)))
+            pieces.append((request, self._chunk(request, size)))
             budget -= size
-        return scheduled
+        return sorted(scheduled + pieces, key=lambda pair: pair[1].wide)  # the runner wants wide ones last
 
     def _prefill_budget(self, decoding, prefilling):
         first = [r for r in prefilling if not r.output_ids]  # still waiting for a first token
@@ -331,7 +331,13 @@ class Engine:
         start = request.computed
         tokens = request.all_ids[start : start + size] + list(draft)
         self.kv.grow(request, request.blocks, start + len(tokens))
-        return Chunk(tokens, start, request.blocks, request.request_id, all_logits=bool(draft))
+        return Chunk(tokens, start, request.blocks, request.request_id, all_logits=bool(draft), wide=self._wide(request))
+
+    def _wide(self, request):
+        """A long prompt is prefilled in the runner's prefill format, a short one and steering
+        in the decoding format: the whole prompt either way."""
+        threshold = getattr(self.runner, "prefill_from", None)
+        return threshold is not None and not request.output_ids and len(request.prompt_ids) - request.cached_tokens >= threshold
 
     def _draft(self, request, budget, decoding):
         """Draft tokens to verify with the request's next token, within its reservation, when

@@ -180,9 +180,11 @@ def rotary_table(model, length, device):
 class LlamaRunner:
     """forward(chunks) -> logits, for the engine; see runner.AttentionPlan for the chunks.
 
-    Decoding rows (one token of a sequence, or a draft to verify) and prefill rows may read
-    the weights in different formats: one token is bound by weight bytes, hundreds by
-    arithmetic, and what is fastest for each is measured at load."""
+    Decoding rows (one token of a sequence, or a draft to verify) and the rows of a long
+    prompt may read the weights in different formats: one token is bound by weight bytes,
+    hundreds by arithmetic, and what is fastest for each is measured at load. `prefill_from`:
+    the prompt length (uncached tokens) from which a prompt takes the prefill format, for all
+    its pieces, so that its keys and values do not depend on how its neighbours split steps."""
 
     verifies_drafts = True  # gives logits after every token of a chunk that asks
 
@@ -195,6 +197,8 @@ class LlamaRunner:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.attention = PagedAttention(pool, self.kv_heads, self.head_dim, device)
         self.decoding, self.prefilling, self.prefill_from = formats_for(model, fmt, device)
+        if self.prefilling is self.decoding:
+            self.prefill_from = None  # one format: no prompt is told apart
         self.format = self.decoding.format
         self.cos, self.sin = rotary_table(model, context_length, device)
 
@@ -208,9 +212,7 @@ class LlamaRunner:
         x = F.embedding(ids, w.embed)  # [N, hidden]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [N, 1, D]
         sizes = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
-        n = len(ids)
-        # A few prompt tokens cost less in the decoding format than reading a second set of weights.
-        split = plan.decode_rows if n - plan.decode_rows >= self.prefill_from else n
+        n, split = len(ids), plan.decode_rows
         for index, (layer, wide) in enumerate(zip(w.layers, self.prefilling.layers)):
             q, k, v = rows_through(layer.qkv, wide.qkv, rms_norm(x, layer.input_norm, w.eps), split).split(sizes, dim=-1)
             q = rotate(q.view(n, self.heads, self.head_dim), cos, sin)
@@ -220,8 +222,7 @@ class LlamaRunner:
             x = x + rows_through(layer.o, wide.o, self.attention(index, q, plan), split)
             gate, up = rows_through(layer.gate_up, wide.gate_up, rms_norm(x, layer.post_norm, w.eps), split).chunk(2, dim=-1)
             x = x + rows_through(layer.down, wide.down, F.silu(gate) * up, split)
-        head_split = plan.decode_logits if split < n else len(plan.logit_rows)
-        return rows_through(w.lm_head, self.prefilling.lm_head, rms_norm(x[plan.logit_rows], w.norm, w.eps), head_split)
+        return rows_through(w.lm_head, self.prefilling.lm_head, rms_norm(x[plan.logit_rows], w.norm, w.eps), plan.decode_logits)
 
 
 def rows_through(narrow, wide, x, split):

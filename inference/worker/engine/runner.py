@@ -20,6 +20,7 @@ class Chunk:
     blocks: list[int]  # the sequence's block table, long enough for start + len(token_ids)
     request_id: str = ""
     all_logits: bool = False  # logits after every token, not only the last: a draft to verify
+    wide: bool = False  # a prompt's piece for the prefill weights (chunks so marked come last)
 
 
 class AttentionPlan:
@@ -35,10 +36,10 @@ class AttentionPlan:
         starts = [0, *itertools.accumulate(lengths)]
         rows = [row for c, start in zip(chunks, starts) for row in (range(start, start + len(c.token_ids)) if c.all_logits else [start + len(c.token_ids) - 1])]
         self.logit_rows = torch.tensor(rows, device=device)
-        # Rows before the first prefill chunk decode (a token, or a draft): the runner may put
-        # them through weights of another format than the prefill rows after them.
-        first_prefill = next((i for i, c in enumerate(chunks) if len(c.token_ids) > 1 and not c.all_logits), len(chunks))
-        self.decode_rows = starts[first_prefill]
+        # Rows before the first wide chunk go through the decoding weights, the rest through
+        # the prefill weights (the runner's two formats, when they differ).
+        first_wide = next((i for i, c in enumerate(chunks) if c.wide), len(chunks))
+        self.decode_rows = starts[first_wide]
         self.decode_logits = sum(row < self.decode_rows for row in rows)
         self.slots = torch.tensor([slot for c in chunks for slot in self.new_slots(c)], device=device)  # [N]
         one = [i for i, n in enumerate(lengths) if n == 1]
