@@ -175,8 +175,10 @@ def test_logprobs_come_with_each_token_in_the_openai_shape(live_service, api_key
     whole = httpx.post(f"{live_service.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=120).json()
     again = whole["choices"][0]["logprobs"]["content"]
     assert [t["bytes"] for t in again] == [t["bytes"] for t in tokens]
-    # The same numbers, up to float noise: the other request shared different steps.
-    assert all(abs(a["logprob"] - b["logprob"]) < 1e-4 for a, b in zip(again, tokens))
+    # The same numbers, up to float noise: the other request shared different steps and took
+    # its prompt's start from the prefix cache. A reduced weight format (`auto` here) rounds
+    # activations to bfloat16, which turns 1e-7 of noise into up to about 1e-2 (float32: 1e-6).
+    assert all(abs(a["logprob"] - b["logprob"]) < 0.05 for a, b in zip(again, tokens))
 
 
 def test_models_are_listed(live_service, api_key):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from inference.worker.engine import Request, SamplingParams
-from inference.worker.engine.llama import PREFILL_TOKENS, Int4, Int8, LlamaWeights, crossing, formats_for, score
+from inference.worker.engine.llama import Int4, Int8, LlamaWeights, formats_for, score
 from inference.worker.engine.runner import Chunk
 from tests.test_engine import QUESTIONS, chat, real_engine, run
 
@@ -46,17 +46,9 @@ def test_int4_keeps_the_4_bit_matrices_of_the_gguf_and_gives_the_embedding_int8(
 
 
 def test_auto_decodes_and_prefills_in_the_formats_that_measured_fastest_here(model):
-    decoding, prefilling, switch = formats_for(model.model, "auto", model.device)
+    decoding, prefilling = formats_for(model.model, "auto", model.device)
     timings = decoding.timings  # seconds at 1, 32 and PREFILL_TOKENS tokens
     assert set(timings) == {"float32", "bfloat16", "int8", "int4"}
     assert score(timings[decoding.format]) == min(map(score, timings.values()))
     assert timings[prefilling.format][2] == min(times[2] for times in timings.values())
-    assert switch == crossing(timings[decoding.format], timings[prefilling.format])
     assert formats_for(model.model, "auto", model.device)[0] is decoding  # measured once per process
-
-
-def test_prompt_rows_take_the_prefill_format_from_where_it_measured_faster():
-    narrow, wide = [0.005, 0.060, 0.500], [0.025, 0.070, 0.300]  # seconds at 1, 32 and 256 tokens
-    switch = crossing(narrow, wide)
-    assert 32 < switch < 64
-    assert crossing(wide, wide) == PREFILL_TOKENS  # never faster: never switched to

@@ -30,7 +30,8 @@ BOUND = settings.TOKSTREAM_WORKER_TTL + 3 * settings.TOKSTREAM_KEEPALIVE_SECONDS
 
 @pytest.fixture
 def service(django_db_setup, django_db_blocker, redis_client):
-    with separate_service(django_db_blocker, 3) as service:
+    # 8 slots: the 24 requests are then running, prefetched and still in the broker, all three.
+    with separate_service(django_db_blocker, 3, TOKSTREAM_MAX_RUNNING="8") as service:
         yield service
 
 

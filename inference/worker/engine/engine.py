@@ -1,9 +1,12 @@
 """The engine in the shape of vLLM v1: a waiting queue, a running set, and step().
 
 One step applies cancellations and steering, admits waiting requests whose worst case fits
-the KV cache, schedules one chunk per running request (one token for a decoding request, a
-piece of its prompt for a prefilling one, under a per-step token budget), runs one batched
-forward pass, samples, and emits one Output per request that produced text or finished.
+the KV cache (kv_manager.py holds every reservation), schedules one chunk per running request
+(one token for a decoding request, with prompt-lookup drafts to verify where they pay; a piece
+of its prompt for a prefilling one, under the budget of budget.py), runs one batched forward
+pass (llama.py), samples every sequence with one transfer to the host, and turns each new
+token into text and endings (output_processor.py): one Output per request that produced text
+or finished.
 """
 
 import logging
@@ -331,13 +334,7 @@ class Engine:
         start = request.computed
         tokens = request.all_ids[start : start + size] + list(draft)
         self.kv.grow(request, request.blocks, start + len(tokens))
-        return Chunk(tokens, start, request.blocks, request.request_id, all_logits=bool(draft), wide=self._wide(request))
-
-    def _wide(self, request):
-        """A long prompt is prefilled in the runner's prefill format, a short one and steering
-        in the decoding format: the whole prompt either way."""
-        threshold = getattr(self.runner, "prefill_from", None)
-        return threshold is not None and not request.output_ids and len(request.prompt_ids) - request.cached_tokens >= threshold
+        return Chunk(tokens, start, request.blocks, request.request_id, all_logits=bool(draft), wide=not request.generated[start])
 
     def _draft(self, request, budget, decoding):
         """Draft tokens to verify with the request's next token, within its reservation, when
@@ -361,9 +358,13 @@ class Engine:
 
     def _speculates(self, request):
         """A seeded sample must not depend on its neighbours, as drafts (offered only while
-        the batch is small) would make it; penalties change with every token."""
+        the batch is small) would make it; penalties change with every token; and logprobs
+        are the decode step's own numbers (a draft is verified through prefill attention,
+        whose rounding differs)."""
         params = request.params
-        return getattr(self.runner, "verifies_drafts", False) and params.speculative and not params.penalised and (params.greedy or params.seed is None)
+        if not getattr(self.runner, "verifies_drafts", False) or not params.speculative or params.penalised or params.logprobs:
+            return False
+        return params.greedy or params.seed is None
 
     def _beam_chunks(self, request):
         """Each live beam's newest token, whose KV this step computes."""

@@ -180,11 +180,12 @@ def rotary_table(model, length, device):
 class LlamaRunner:
     """forward(chunks) -> logits, for the engine; see runner.AttentionPlan for the chunks.
 
-    Decoding rows (one token of a sequence, or a draft to verify) and the rows of a long
-    prompt may read the weights in different formats: one token is bound by weight bytes,
-    hundreds by arithmetic, and what is fastest for each is measured at load. `prefill_from`:
-    the prompt length (uncached tokens) from which a prompt takes the prefill format, for all
-    its pieces, so that its keys and values do not depend on how its neighbours split steps."""
+    Decoding rows (one token of a sequence, or a draft to verify) and prompt rows may read the
+    weights in different formats: one token is bound by weight bytes, hundreds by arithmetic,
+    and what is fastest for each is measured at load. Every prompt token takes the prefill
+    format and every generated one the decoding format, however steps are split, so that a
+    sequence's keys and values (and a prefix cached from another request) never depend on
+    its neighbours."""
 
     verifies_drafts = True  # gives logits after every token of a chunk that asks
 
@@ -196,9 +197,7 @@ class LlamaRunner:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.attention = PagedAttention(pool, self.kv_heads, self.head_dim, device)
-        self.decoding, self.prefilling, self.prefill_from = formats_for(model, fmt, device)
-        if self.prefilling is self.decoding:
-            self.prefill_from = None  # one format: no prompt is told apart
+        self.decoding, self.prefilling = formats_for(model, fmt, device)
         self.format = self.decoding.format
         self.cos, self.sin = rotary_table(model, context_length, device)
 
@@ -251,16 +250,14 @@ def candidates(model, device):
 
 
 def formats_for(model, fmt, device):
-    """(decoding weights, prefill weights, the prompt tokens in a step from which its prompt
-    rows take the prefill weights): `fmt` for everything, or with `auto` the fastest here."""
+    """(decoding weights, prefill weights): `fmt` for both, or with `auto` the fastest here."""
     if fmt != "auto":
         weights = LlamaWeights.of(model, fmt)
-        return weights, weights, 0
+        return weights, weights
     key = (id(model), str(device))
     if key not in _chosen:
         _chosen[key] = fastest(model, candidates(model, device), device)
-    decoding, prefill, switch = _chosen[key]
-    return LlamaWeights.of(model, decoding), LlamaWeights.of(model, prefill), switch
+    return tuple(LlamaWeights.of(model, chosen) for chosen in _chosen[key])
 
 
 def fastest(model, formats, device):
@@ -276,28 +273,8 @@ def fastest(model, formats, device):
     for fmt in set(formats) - {decoding, prefill}:
         model.__dict__["_tokstream_weights"].pop(fmt)  # measured, not kept
     LlamaWeights.of(model, decoding).timings = timings
-    switch = crossing(timings[decoding], timings[prefill])
-    log.info(
-        "weights: %s for decoding, %s for prefill from %s prompt tokens a step; linear layers per step at 1 / 32 / %d tokens: %s",
-        decoding, prefill, switch, PREFILL_TOKENS, describe(timings),
-    )  # fmt: skip
-    return decoding, prefill, switch
-
-
-def crossing(narrow, wide):
-    """The fewest tokens at which `wide` is faster than `narrow`, along the lines through the
-    times measured at 1, 32 and PREFILL_TOKENS tokens."""
-    points = (1, 32, PREFILL_TOKENS)
-    for tokens in range(1, PREFILL_TOKENS + 1):
-        if interpolated(wide, points, tokens) < interpolated(narrow, points, tokens):
-            return tokens
-    return PREFILL_TOKENS
-
-
-def interpolated(times, points, tokens):
-    low = 0 if tokens <= points[1] else 1
-    (x0, x1), (y0, y1) = points[low : low + 2], times[low : low + 2]
-    return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+    log.info("weights: %s for decoding, %s for prefill; linear layers per step at 1 / 32 / %d tokens: %s", decoding, prefill, PREFILL_TOKENS, describe(timings))
+    return decoding, prefill
 
 
 def score(times):

@@ -20,7 +20,7 @@ class Chunk:
     blocks: list[int]  # the sequence's block table, long enough for start + len(token_ids)
     request_id: str = ""
     all_logits: bool = False  # logits after every token, not only the last: a draft to verify
-    wide: bool = False  # a prompt's piece for the prefill weights (chunks so marked come last)
+    wide: bool = False  # prompt (or steering) tokens: for the prefill weights; such chunks come last
 
 
 class AttentionPlan:
