@@ -1,9 +1,10 @@
 """The forward pass of a Llama-family model, computed by the engine itself over the paged KV cache.
 
 transformers loads the weights and stays the reference; this module lays them out once for
-decoding (q, k and v in one matrix, gate and up in another, in the weight format that measured
-fastest on this device) and runs each step with its own RMSNorm, rotary embedding and paged
-attention: one matrix product per projection for every token of the step, and no module calls.
+decoding (q, k and v in one matrix, gate and up in another, in the weight formats that measured
+fastest on this device: one for generated tokens, one for prompt tokens) and runs each step with
+its own RMSNorm, rotary embedding and paged attention: one matrix product per projection and
+format for every token of the step, and no module calls.
 """
 
 import logging
@@ -148,10 +149,6 @@ class LlamaWeights:
 
     def linears(self):
         return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
-
-
-def supports(model):
-    return getattr(model.config, "model_type", None) in ("llama", "mistral", "qwen2") and hasattr(model, "lm_head")
 
 
 def rms_norm(x, weight, eps):
