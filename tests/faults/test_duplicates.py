@@ -8,9 +8,10 @@ import pytest
 
 from inference import lifecycle, streamlog
 from inference.models import PendingRequest
+from inference.protocol.entries import Delta
 from inference.protocol.payloads import GENERATE
 from tests.faults.conftest import rows_for
-from tests.faults.streams import body, record, whole
+from tests.faults.streams import body, record
 from tests.faults.test_worker_killed import ESSAY, wait_for_requests, wait_until_running
 from tokstream_site.celery import app
 
@@ -31,7 +32,11 @@ def test_a_task_delivered_again_is_generated_once(live_service, api_key, redis_c
 
     [stream] = streams
     assert stream.done and stream.error is None
-    assert stream.text == whole(live_service.url, api_key, payload)  # one generation, not two interleaved
+    # One generation, not two interleaved: its deltas count tokens up by one step at a time.
+    deltas = [entry for _, entry in streamlog.read_all(redis_client, request_id) if isinstance(entry, Delta)]
+    counts = [delta.n for delta in deltas]
+    assert counts == sorted(set(counts)) and counts[-1] == 120
+    assert "".join(delta.text for delta in deltas) == stream.text
     [row] = rows_for([request_id], seconds=10)[request_id]
     assert row.status == "length" and row.completion_tokens == 120
 
