@@ -339,8 +339,8 @@ class Engine:
     def _draft(self, request, budget, decoding):
         """Draft tokens to verify with the request's next token, within its reservation, when
         the tokens it is likely to keep are worth the longer step."""
-        if budget <= 0 or not self._speculates(request):
-            return []
+        if budget <= 0 or not request.output_ids or not self._speculates(request):
+            return []  # before the first token the chunk is a prompt's: drafts wait for the decoding weights
         left = request.params.max_tokens - len(request.output_ids) - 1  # the model's own token comes on top
         room = min(left, self.kv.room(request), self.context_length - len(request.all_ids) - 1)
         if room <= 0:

@@ -14,6 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .kv_cache import head_dim_of
 from .runner import AttentionPlan, PagedAttention
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class LlamaRunner:
         self.device = device
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.head_dim = head_dim_of(config)
         self.attention = PagedAttention(pool, self.kv_heads, self.head_dim, device)
         self.decoding, self.prefilling = formats_for(model, fmt, device)
         self.format = self.decoding.format
