@@ -58,7 +58,6 @@ import django  # noqa: E402
 django.setup()
 logging.getLogger("httpx").setLevel(logging.WARNING)
 
-import httpx  # noqa: E402
 import serving  # noqa: E402  (bench/serving.py)
 from django.conf import settings  # noqa: E402
 from django.core.management import call_command  # noqa: E402
@@ -178,7 +177,7 @@ def service_stream(url, key, prompt, tokens, t0):
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "stream": True, "temperature": 0, "max_tokens": tokens,
             "stream_options": {"include_usage": True}}  # fmt: skip
     first = last = usage = None
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=300) as r:
+    with serving.http().stream("POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
         if r.status_code != 200:
             raise SystemExit(f"the service answered {r.status_code}: {r.read().decode()}")
         for line in r.iter_lines():

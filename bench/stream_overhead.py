@@ -29,7 +29,6 @@ import django  # noqa: E402
 django.setup()
 logging.getLogger("httpx").setLevel(logging.WARNING)
 
-import httpx  # noqa: E402
 import serving  # noqa: E402  (bench/serving.py)
 from django.core.management import call_command  # noqa: E402
 
@@ -58,7 +57,7 @@ def service_run(url, key, tokens):
             "stream_options": {"include_usage": True}}  # fmt: skip
     start = time.perf_counter()
     first = count = None
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120) as r:
+    with serving.http().stream("POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
         for line in r.iter_lines():
             # The first chunk only names the role (sent on admission): the first token's has text.
             if line.startswith("data: {") and first is None and '"content":"' in line and '"content":""' not in line:
@@ -66,6 +65,19 @@ def service_run(url, key, tokens):
             if '"usage":{"prompt_tokens"' in line:
                 count = int(line.split('"completion_tokens":')[1].split(",")[0])
     return first - start, count / (time.perf_counter() - first)
+
+
+def cpu_seconds(pid):
+    """User and system CPU time of a process so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def service_processes(children):
+    import redis
+
+    redis_pid = redis.Redis.from_url(os.environ["REDIS_URL"]).info("server")["process_id"]
+    return {"worker": children[0].pid, "daphne": children[1].pid, "redis": redis_pid}
 
 
 def start_service(port):
@@ -94,15 +106,21 @@ def main():
         prompt = model.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
         engine_run(engine, prompt, 4)  # warm up
         service_run(f"http://127.0.0.1:{args.port}", key, 4)
-        base, service = [], []
+        base, service, cpu = [], [], dict.fromkeys(processes := service_processes(children), 0.0)
         for _ in range(args.runs):  # interleaved, so drift in the machine's speed hits both
             base.append(engine_run(engine, prompt, args.tokens))
+            before = {name: cpu_seconds(pid) for name, pid in processes.items()}
             service.append(service_run(f"http://127.0.0.1:{args.port}", key, args.tokens))
+            for name, pid in processes.items():
+                cpu[name] += cpu_seconds(pid) - before[name]
     finally:
         for child in children:
             child.terminate()
     b, s = summary("engine", base), summary("service", service)
     print(f"service/engine: TTFT x{s[0] / b[0]:.2f}, tokens/s x{s[1] / b[1]:.2f}")
+    # Where the service's CPU goes (2 cores: what the others take, the engine's matrix products lack).
+    tokens = args.runs * args.tokens
+    print("CPU ms per streamed token: " + ", ".join(f"{name} {seconds * 1000 / tokens:.2f}" for name, seconds in cpu.items()))
 
 
 if __name__ == "__main__":

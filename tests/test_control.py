@@ -51,8 +51,11 @@ def test_steering_by_id_takes_effect_and_is_billed_as_prompt(live_service, api_k
     [mark] = [c for _, c in steered[:-1] if "steered" in c.get("tokstream", {})]
     assert mark["tokstream"] == {"steered": text} and mark["choices"][0]["delta"] == {"content": ""}
     after = steered.index(next(e for e in steered if e[1] is mark))
-    assert content_of(c for _, c in steered[:after]) == content_of(c for _, c in plain[:after])
-    assert content_of(c for _, c in steered[:-1]) != content_of(c for _, c in plain[:-1])
+    # Text, not chunks: a step may carry several tokens (kept drafts), so two greedy runs of the
+    # same reply need not chunk it alike.
+    before, plain_text = content_of(c for _, c in steered[:after]), content_of(c for _, c in plain[:-1])
+    assert before and plain_text.startswith(before)
+    assert content_of(c for _, c in steered[:-1]) != plain_text
     steer_tokens = len(tokenizer.encode(text, add_special_tokens=False))
     assert steered[-2][1]["usage"]["prompt_tokens"] == plain[-2][1]["usage"]["prompt_tokens"] + steer_tokens
     entry = wait_for_entry(seconds=10, request_id=mark["id"])

@@ -23,16 +23,26 @@ _loops = {}
 BOOT = uuid.uuid4().hex[:8]  # a restarted container may reuse the host name and the pid
 LOST_CLAIM = "The request was taken from this worker (its state was lost or it was ended elsewhere)."
 _loops_lock = threading.Lock()
+# How often the loop reads the cancel and steering flags: a Redis round trip every step cost
+# 2-4% of a CPU step (more on a GPU), and a cancel 50 ms late frees its slot soon enough.
+SIGNAL_SECONDS = 0.05
 
 
 class EngineLoop(threading.Thread):
-    def __init__(self, model, engine, redis_client):
-        super().__init__(daemon=True, name=f"engine-{model.name}-{model.device}")
-        self.model = model
-        self.engine = engine
+    """Loads its model and steps its engine on this one thread: torch's OpenMP keeps a team of
+    threads for every thread that ever ran a parallel operation, and once there are more team
+    threads than cores, every team stops spinning between operations and each of the step's
+    hundreds of operations waits on a wake-up (a step took ×1.5 as long, BENCHMARKS.md)."""
+
+    def __init__(self, name, device, redis_client):
+        super().__init__(daemon=True, name=f"engine-{name}-{device}")
+        self.name_of_model, self.device = name, device
+        self.model = self.engine = None
+        self.loaded = threading.Event()
+        self.failure = None  # why the model could not be loaded
         self.redis = redis_client
-        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{BOOT}:{model.device}"  # one engine of the process
-        self.last_beat = 0.0
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{BOOT}:{device}"  # one engine of the process
+        self.last_beat = self.last_signals = 0.0
         self.reported = {}  # draft counts already added to the metrics
         self.outboxes = {}
         self.claimed = set()  # request ids this worker claimed: they must stay claimed to run
@@ -63,7 +73,23 @@ class EngineLoop(threading.Thread):
         self.wake.set()
         return outbox
 
+    def start_and_load(self):
+        """Start the thread and wait until its engine is ready; raises what loading raised."""
+        self.start()
+        self.loaded.wait()
+        if self.failure is not None:
+            raise self.failure
+        return self
+
     def run(self):
+        try:
+            self.model = load(self.name_of_model, self.device)
+            self.engine = build_engine(self.model)
+        except BaseException as exc:  # handed to the thread that waits for the load
+            self.failure = exc
+            return
+        finally:
+            self.loaded.set()
         while not self.stopping.is_set():
             try:
                 self.run_once()
@@ -77,7 +103,9 @@ class EngineLoop(threading.Thread):
             self.wake.wait(timeout=settings.TOKSTREAM_WORKER_TTL / 3)
             self.wake.clear()
             return
-        self.apply_signals()
+        if self.engine.waiting or time.monotonic() - self.last_signals >= SIGNAL_SECONDS:  # a cancelled prompt is never computed
+            self.last_signals = time.monotonic()
+            self.apply_signals()
         self.deliver(self.step())
 
     def heartbeat(self):
@@ -179,10 +207,8 @@ def start_loops(name):
         return [beat]
     loops = []
     for device in ["cpu"] if engine == "echo" else devices():
-        lm = load(name, device)
-        loops.append(EngineLoop(lm, build_engine(lm), streamlog.sync_client()))
-        loops[-1].start()
-        log.info("model %s loaded on %s", name, lm.device)
+        loops.append(EngineLoop(name, device, streamlog.sync_client()).start_and_load())
+        log.info("model %s loaded on %s", name, device)
     return loops
 
 
