@@ -29,10 +29,11 @@ SIGNAL_SECONDS = 0.05
 
 
 class EngineLoop(threading.Thread):
-    """Loads its model and steps its engine on this one thread: torch's OpenMP keeps a team of
-    threads for every thread that ever ran a parallel operation, and once there are more team
-    threads than cores, every team stops spinning between operations and each of the step's
-    hundreds of operations waits on a wake-up (a step took ×1.5 as long, BENCHMARKS.md)."""
+    """Loads its model and steps its engine on this one thread. torch's OpenMP (libgomp) keeps
+    a team of threads for every thread that ever ran a parallel operation, and once it manages
+    more threads than there are cores it spins only briefly between operations: each of a
+    step's hundreds of operations then waits for its team to wake (a step on another thread
+    than the loader's took ×1.3–1.5 as long; bench/threads.py)."""
 
     def __init__(self, name, device, redis_client):
         super().__init__(daemon=True, name=f"engine-{name}-{device}")
@@ -73,13 +74,11 @@ class EngineLoop(threading.Thread):
         self.wake.set()
         return outbox
 
-    def start_and_load(self):
-        """Start the thread and wait until its engine is ready; raises what loading raised."""
-        self.start()
+    def wait_loaded(self):
+        """Wait until the started thread's engine is ready; raises what loading raised."""
         self.loaded.wait()
         if self.failure is not None:
             raise self.failure
-        return self
 
     def run(self):
         try:
@@ -207,8 +206,11 @@ def start_loops(name):
         return [beat]
     loops = []
     for device in ["cpu"] if engine == "echo" else devices():
-        loops.append(EngineLoop(name, device, streamlog.sync_client()).start_and_load())
-        log.info("model %s loaded on %s", name, device)
+        loops.append(EngineLoop(name, device, streamlog.sync_client()))
+        loops[-1].start()  # every device loads at once
+    for loop in loops:
+        loop.wait_loaded()
+        log.info("model %s loaded on %s", name, loop.device)
     return loops
 
 
