@@ -2,8 +2,8 @@
 
 One step applies cancellations and steering, admits waiting requests whose worst case fits
 the KV cache (kv_manager.py holds every reservation), schedules one chunk per running request
-(one token for a decoding request, with prompt-lookup drafts to verify where they pay; a piece
-of its prompt for a prefilling one, under the budget of budget.py), runs one batched forward
+(scheduler.py: one token for a decoding request, with prompt-lookup drafts to verify where they
+pay; a piece of its prompt for a prefilling one, under the budget of budget.py), runs one batched forward
 pass (llama.py), samples every sequence with one transfer to the host, and turns each new
 token into text and endings (output_processor.py): one Output per request that produced text
 or finished.
@@ -21,22 +21,18 @@ import torch
 from inference.protocol.entries import FinishReason
 
 from .beam import BeamSearch
-from .budget import StepCost, prefill_budget
+from .budget import StepCost
 from .detokenizer import IncrementalDetokenizer
 from .echo import EchoModel, EchoRunner
 from .kv_cache import BLOCK_SIZE, BlockPool
 from .kv_manager import KVCacheManager
 from .llama import LlamaRunner
 from .output_processor import OutputProcessor
-from .runner import Chunk
 from .sampling import SamplingParams, make_generator, sample
+from .scheduler import Scheduler
 from .speculative import Drafter, accepted, verdict_greedy, verdict_sampled
 
 log = logging.getLogger(__name__)
-DRAFT_LENGTH = 4  # draft tokens per sequence and step
-# Draft tokens a step may verify, less one per decoding sequence: while a step's matrix products
-# are bound by reading the weights, a few more tokens cost little; in a big batch they would not.
-DRAFT_TOKENS = 8
 
 
 class RequestStatus(Enum):
@@ -149,13 +145,13 @@ class Engine:
         self.stop_ids = frozenset(stop_ids)
         self.context_length = context_length
         self.max_running = max_running
-        self.step_tokens = step_tokens  # tokens per step while others decode: their gap stays short
-        self.idle_chunk = idle_chunk  # prefill chunk when nobody waits on this step
         self.clock = clock
         self.waiting = deque()
         self.running = []
         self.stats = Counter()  # computed_prompt_tokens, cached_prompt_tokens, steps, ...
         self.step_cost = StepCost()
+        verifies = getattr(runner, "verifies_drafts", False)
+        self.scheduler = Scheduler(self.kv, self.step_cost, context_length, step_tokens, idle_chunk, clock, verifies)
         self._cancelled = {}  # request id -> None (the client's cancel) or why it failed
         self._steers = []
         self._lock = threading.Lock()
@@ -194,7 +190,7 @@ class Engine:
         outputs = self._apply_cancels()
         self._drop_finished()
         outputs += self._apply_steers() + self._admit()
-        scheduled = self._schedule()
+        scheduled = self.scheduler.schedule(self.running)
         if scheduled:
             self.stats["steps"] += 1
             try:
@@ -304,74 +300,6 @@ class Engine:
             stops = self.stop_ids | set(request.params.stop_token_ids)
             request.beam = BeamSearch(request.params.beam_width, room, stops)
         self.running.append(request)
-
-    def _schedule(self):
-        beaming = [r for r in self.running if r.beam_tables]
-        decoding = [r for r in self.running if not r.beam_tables and r.pending() == 1]
-        prefilling = [r for r in self.running if not r.beam_tables and r.pending() > 1]
-        scheduled, drafts = [], DRAFT_TOKENS - len(decoding)
-        for request in decoding:
-            draft = self._draft(request, drafts, len(decoding))
-            drafts -= len(draft)
-            scheduled.append((request, self._chunk(request, 1, draft)))
-        scheduled += [pair for r in beaming for pair in self._beam_chunks(r)]
-        budget, pieces = self._prefill_budget(len(scheduled), prefilling), []
-        for request in prefilling:
-            if budget <= 0:
-                break
-            size = min(request.pending(), budget)
-            pieces.append((request, self._chunk(request, size)))
-            budget -= size
-        return sorted(scheduled + pieces, key=lambda pair: pair[1].wide)  # the runner wants wide ones last
-
-    def _prefill_budget(self, decoding, prefilling):
-        first = [r for r in prefilling if not r.output_ids]  # still waiting for a first token
-        oldest = min((r.arrived_at for r in first), default=None)
-        waited = self.clock() - oldest if oldest is not None else 0.0
-        return prefill_budget(decoding, sum(r.pending() for r in first), waited, self.step_cost, self.step_tokens, self.idle_chunk)
-
-    def _chunk(self, request, size, draft=()):
-        start = request.computed
-        tokens = request.all_ids[start : start + size] + list(draft)
-        self.kv.grow(request, request.blocks, start + len(tokens))
-        return Chunk(tokens, start, request.blocks, request.request_id, all_logits=bool(draft), wide=not request.generated[start])
-
-    def _draft(self, request, budget, decoding):
-        """Draft tokens to verify with the request's next token, within its reservation, when
-        the tokens it is likely to keep are worth the longer step."""
-        if budget <= 0 or not request.output_ids or not self._speculates(request):
-            return []  # before the first token the chunk is a prompt's: drafts wait for the decoding weights
-        left = request.params.max_tokens - len(request.output_ids) - 1  # the model's own token comes on top
-        room = min(left, self.kv.room(request), self.context_length - len(request.all_ids) - 1)
-        if room <= 0:
-            return []
-        request.drafter = request.drafter or Drafter()
-        draft = request.drafter.propose(request.all_ids, min(DRAFT_LENGTH, budget, room))
-        return draft if draft and self._drafts_pay(request, decoding, len(draft)) else []
-
-    def _drafts_pay(self, request, decoding, size):
-        """Tokens expected to be kept (from the request's own record, starting from one in
-        two) against how much longer the step gets, both from what was measured here."""
-        share = self.step_cost.draft_share(decoding, size)
-        rate = (request.draft_kept + 1) / (request.drafted + 2)
-        return share is None or sum(rate**i for i in range(1, size + 1)) > share
-
-    def _speculates(self, request):
-        """A seeded sample must not depend on its neighbours, as drafts (offered only while
-        the batch is small) would make it; penalties change with every token; and logprobs
-        are the decode step's own numbers (a draft is verified through prefill attention,
-        whose rounding differs)."""
-        params = request.params
-        if not getattr(self.runner, "verifies_drafts", False) or not params.speculative or params.penalised or params.logprobs:
-            return False
-        return params.greedy or params.seed is None
-
-    def _beam_chunks(self, request):
-        """Each live beam's newest token, whose KV this step computes."""
-        start = len(request.prompt_ids) + len(request.beam.running[0]) - 1
-        for table in request.beam_tables:
-            self.kv.grow(request, table, start + 1)
-        return [(request, Chunk([tokens[-1]], start, table, request.request_id)) for tokens, table in zip(request.beam.running, request.beam_tables)]
 
     def _after_step(self, scheduled, logits):
         """One output per sequence; a beam search's rows go together to its next beam step."""
