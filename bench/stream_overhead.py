@@ -3,7 +3,8 @@
 Runs both in one command, so the machine's noise hits both alike:
   baseline: Engine.step() in this process (prefill + greedy decode), no Django, Celery or Redis;
   service:  POST /v1/chat/completions stream=true through Daphne, Celery, the Redis Stream log.
-Prints time to first token and tokens/s for each, and the ratios.
+Prints time to first token and tokens/s for each, the ratios, and the CPU time each of the
+service's processes (worker, Daphne, Redis) spent per streamed token.
 
     .venv/bin/python bench/stream_overhead.py [--runs 5] [--tokens 64]
 """
