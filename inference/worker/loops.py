@@ -23,6 +23,7 @@ _loops = {}
 BOOT = uuid.uuid4().hex[:8]  # a restarted container may reuse the host name and the pid
 LOST_CLAIM = "The request was taken from this worker (its state was lost or it was ended elsewhere)."
 _loops_lock = threading.Lock()
+_load_lock = threading.Lock()  # transformers' loading is not thread-safe (it patches module globals)
 # How often the loop reads the cancel and steering flags: a Redis round trip every step cost
 # 2-4% of a CPU step (more on a GPU), and a cancel 50 ms late frees its slot soon enough.
 SIGNAL_SECONDS = 0.05
@@ -82,8 +83,9 @@ class EngineLoop(threading.Thread):
 
     def run(self):
         try:
-            self.model = load(self.name_of_model, self.device)
-            self.engine = build_engine(self.model)
+            with _load_lock:  # one at a time: this also keeps the weight formats' timings apart
+                self.model = load(self.name_of_model, self.device)
+                self.engine = build_engine(self.model)
         except BaseException as exc:  # handed to the thread that waits for the load
             self.failure = exc
             return
@@ -207,7 +209,7 @@ def start_loops(name):
     loops = []
     for device in ["cpu"] if engine == "echo" else devices():
         loops.append(EngineLoop(name, device, streamlog.sync_client()))
-        loops[-1].start()  # every device loads at once
+        loops[-1].start()
     for loop in loops:
         loop.wait_loaded()
         log.info("model %s loaded on %s", name, loop.device)
