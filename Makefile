@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install lint model migrate run test test-deps
+.PHONY: install lint model migrate run test test-deps test-packages
 
 $(INSTALLED): requirements.txt requirements-model.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,10 +34,20 @@ migrate: install
 run: model migrate
 	$(PY) manage.py serve
 
+# The relay tests' real upstream: llama.cpp's server, built once (tests/build_llama_server.sh)
+# and kept outside the checkout, so a fresh clone on this machine reuses it.
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_SERVER ?= $(HOME)/.cache/tokstream/llama-server-$(LLAMA_CPP_VERSION)/llama-server
+export TOKSTREAM_LLAMA_SERVER := $(LLAMA_SERVER)
+$(LLAMA_SERVER): | $(INSTALLED) test-packages
+	tests/build_llama_server.sh $@ $(LLAMA_CPP_VERSION) $(PY)
+
 # The tests start their own redis-server, and drive Debian's Chromium (Playwright cannot
-# download a browser here).
-TEST_PACKAGES := chromium redis-server
-test-deps:
+# download a browser here); llama-server is built with cmake and g++.
+TEST_PACKAGES := chromium redis-server cmake g++
+test-deps: test-packages $(LLAMA_SERVER)
+
+test-packages:
 	@missing=$$(for p in $(TEST_PACKAGES); do command -v $$p >/dev/null || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \

@@ -17,10 +17,27 @@ from billing import charts, export, invoices, ledger
 from billing.models import ApiKey, Budget, Invoice, PriceSheet, UsageEntry
 
 
+# Whether a vendor's counts agree with ours; an entry with none to compare says so, never "agree".
+VENDOR_CHECK = {True: "differ", False: "agree", None: "not compared"}
+
+
+class CountsDifferFilter(admin.BooleanFieldListFilter):
+    """Yes, no, and "not compared" (a local model, or an upstream that reported no usage)."""
+
+    def choices(self, changelist):
+        for choice in super().choices(changelist):
+            if choice["display"] == "Unknown":
+                choice["display"] = "Not compared"
+            yield choice
+
+
 @admin.register(UsageEntry)
 class UsageEntryAdmin(admin.ModelAdmin):
-    list_display = ["request_id", "received_at", "model", "status", "prompt_tokens", "completion_tokens", "total_cost", "currency", "api_key", "user"]
-    list_filter = ["status", "counts_differ", "usage_source", "model", "received_at", "api_key", "user"]
+    list_display = [
+        "request_id", "received_at", "model", "status", "prompt_tokens", "completion_tokens", "total_cost", "currency", "usage_source", "vendor_check",
+        "api_key", "user",
+    ]  # fmt: skip
+    list_filter = ["status", ("counts_differ", CountsDifferFilter), "usage_source", "model", "received_at", "api_key", "user"]
     search_fields = ["request_id"]
     date_hierarchy = "received_at"
     list_select_related = ["api_key", "user"]
@@ -34,6 +51,10 @@ class UsageEntryAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return False
+
+    @admin.display(description="vendor counts", ordering="counts_differ")
+    def vendor_check(self, entry):
+        return VENDOR_CHECK[entry.counts_differ]
 
     def changelist_view(self, request, extra_context=None):
         """The list, with the totals of the rows its filters select."""

@@ -139,6 +139,30 @@ class StrictBooleanFilter(django_filters.BooleanFilter):
     field_class = BooleanField
 
 
+NOT_COMPARED = "unknown"
+
+
+class ComparisonField(BooleanField):
+    """true, false, or unknown: entries whose counts nobody compared (see UsageEntry.counts_differ)."""
+
+    def to_python(self, value):
+        if isinstance(value, str) and value.lower() == NOT_COMPARED:
+            return NOT_COMPARED
+        try:
+            return super().to_python(value)
+        except forms.ValidationError:
+            raise forms.ValidationError("Enter true, false or unknown.", code="invalid") from None
+
+
+class ComparisonFilter(StrictBooleanFilter):
+    field_class = ComparisonField
+
+    def filter(self, queryset, value):
+        if value == NOT_COMPARED:
+            return queryset.filter(counts_differ__isnull=True)
+        return super().filter(queryset, value)
+
+
 class TimeFilter(django_filters.IsoDateTimeFilter):
     field_class = UtcDateTimeField
 
@@ -150,7 +174,7 @@ class EntryFilter(django_filters.FilterSet):
     status = django_filters.ChoiceFilter(choices=UsageEntry.Status.choices)
     api_key = IdFilter(field_name="api_key_id")
     user = IdFilter(field_name="user_id")
-    counts_differ = StrictBooleanFilter()  # a vendor reported other counts than ours
+    counts_differ = ComparisonFilter()  # a vendor reported other counts than ours (unknown: nothing compared)
 
     class Meta:
         model = UsageEntry
@@ -322,7 +346,10 @@ FILTER_PARAMETERS = [
     OpenApiParameter("status", OpenApiTypes.STR, enum=UsageEntry.Status.values),
     OpenApiParameter("api_key", OpenApiTypes.INT, description="The id of the key that made the requests."),
     OpenApiParameter("user", OpenApiTypes.INT, description="The id of the user the requests were made for."),
-    OpenApiParameter("counts_differ", OpenApiTypes.BOOL, description="Whether a vendor reported other counts than ours."),
+    OpenApiParameter(
+        "counts_differ", OpenApiTypes.STR, enum=["true", "false", "unknown"],
+        description="Whether a vendor reported other counts than ours; unknown: entries with nothing compared (a local model, or an upstream that reported no usage).",
+    ),  # fmt: skip
 ]
 
 

@@ -49,9 +49,14 @@ def record_once(request_id, finish_reason, **fields):
 
 
 def counts_differ(entry):
-    """True when a vendor reported counts and they are not ours."""
-    reported = [(entry.vendor_prompt_tokens, entry.prompt_tokens), (entry.vendor_completion_tokens, entry.completion_tokens)]
-    return any(theirs is not None and theirs != ours for theirs, ours in reported)
+    """Whether the vendor's counts are not ours; None when there is nothing to compare (a local
+    model, or an upstream that reported no usage): unknown, never "they agree"."""
+    compared = [
+        (entry.vendor_prompt_tokens, entry.counted_prompt_tokens),
+        (entry.vendor_completion_tokens, entry.counted_completion_tokens),
+    ]
+    compared = [(theirs, ours) for theirs, ours in compared if theirs is not None and ours is not None]
+    return any(theirs != ours for theirs, ours in compared) if compared else None
 
 
 def price(entry):

@@ -149,13 +149,26 @@ class UsageEntry(AppendOnly):
     cached_prompt_tokens = models.IntegerField(default=0, help_text="Of those, served from the prefix cache.")
     steering_tokens = models.IntegerField(default=0, help_text="Of those, injected while it ran.")
     completion_tokens = models.IntegerField(help_text="Ids the model produced.")
-    usage_source = models.CharField(max_length=20, default="engine_ids", help_text="How the counts were obtained.")
-    # An upstream vendor's own report of the request, beside our count (empty for local models).
+    usage_source = models.CharField(
+        max_length=20,
+        default="engine_ids",
+        help_text="How the counts were obtained: engine_ids (the ids our model read and wrote), upstream (the upstream's "
+        "usage, as its invoice will say), estimate (an upstream that reported none: our count), stream_log, correction.",
+    )
+    # An upstream vendor's own report of the request (empty for local models, and for an upstream
+    # that reported none); when it reported, the counts above are its counts.
     vendor_request_id = models.CharField(max_length=100, blank=True, db_index=True, help_text="The upstream's id of the request.")
     vendor_prompt_tokens = models.IntegerField(null=True, blank=True)
     vendor_cached_prompt_tokens = models.IntegerField(null=True, blank=True)
     vendor_completion_tokens = models.IntegerField(null=True, blank=True)
-    counts_differ = models.BooleanField(default=False, db_index=True, help_text="The vendor reported other counts than ours.")
+    # Our own count of a relayed request, from its text with the upstream's tokenizer: the
+    # cross-check of the vendor's (empty for local models, whose counts are the ids themselves).
+    counted_prompt_tokens = models.IntegerField(null=True, blank=True, help_text="Our count of the prompt, for a relayed request.")
+    counted_completion_tokens = models.IntegerField(null=True, blank=True, help_text="Our count of the reply, for a relayed request.")
+    counts_differ = models.BooleanField(
+        null=True, blank=True, default=None, db_index=True,
+        help_text="Whether the vendor's counts differ from ours; empty when nothing was compared (a local model, or no vendor usage).",
+    )  # fmt: skip
     finish_reason = models.CharField(max_length=20)
     status = models.CharField(max_length=20, choices=Status.choices)
     error = models.TextField(blank=True)
@@ -219,7 +232,10 @@ HASHED_FIELDS = (
 
 
 # Fields added later join the hash only when they hold a value, so earlier hashes stay true.
-HASHED_WHEN_SET = ("vendor_request_id", "vendor_prompt_tokens", "vendor_cached_prompt_tokens", "vendor_completion_tokens")
+HASHED_WHEN_SET = (
+    "vendor_request_id", "vendor_prompt_tokens", "vendor_cached_prompt_tokens", "vendor_completion_tokens",
+    "counted_prompt_tokens", "counted_completion_tokens",
+)  # fmt: skip
 
 
 def content_hash(entry):

@@ -7,9 +7,11 @@
   (worker/relay.py), and we count its tokens as the vendor bills them.
 
 An upstream's registry entry: {"source": "openai-compatible", "base_url": ".../v1",
-"api_key_env": NAME, "upstream_model": NAME, "tokenizer": T, "context_length": N}, where T is a
-tiktoken encoding (`o200k_base`, `cl100k_base`) or the name of a registered local model whose
-tokenizer and chat template the upstream uses.
+"api_key_env": NAME, "upstream_model": NAME, "tokenizer": T, "context_length": N, "server": S,
+"max_concurrent": M}, where T is a tiktoken encoding (`o200k_base`, `cl100k_base`) or the name of
+a registered local model whose tokenizer and chat template the upstream uses, S the kind of
+server (`vllm`, `sglang`, `llama.cpp`, `llama-cpp-python`, `openai`: how its usage counts a reply's end, see
+inference/upstream.py) and M how many requests it is sent at once (the rest wait here).
 """
 
 import functools
@@ -18,15 +20,14 @@ import json
 from django.conf import settings
 
 from billing import counting, tiktoken_offline
-from inference import registry
+from inference import registry, upstream
 from inference.protocol import tools
-from inference.protocol.entries import FinishReason
 from inference.protocol.errors import ApiError, invalid
 
 KV_BLOCK_SIZE = 16  # tokens a KV-cache block holds: the engine's BLOCK_SIZE (tests/test_kv_cache.py checks)
 DEFAULT_CONTEXT = 131072
 # What a relayed request may carry; everything else our parser accepts is refused, by name.
-NOT_RELAYED = {"n": 1, "beam_width": 1, "logprobs": False, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+NOT_RELAYED = {"n": 1, "beam_width": 1, "logprobs": False}
 
 
 @functools.cache
@@ -97,6 +98,8 @@ class UpstreamBackend(LocalBackend):
         self.entry = registry.entry(name)
         self.tokenizer_name = self.entry["tokenizer"]
         self.tiktoken = self.tokenizer_name in tiktoken_offline.ENCODINGS
+        self.end_of_turn_counted = upstream.counts_end_of_turn(self.entry, self.tiktoken)
+        self.max_concurrent = upstream.max_concurrent(self.entry)
 
     @property
     def served_model(self):
@@ -107,24 +110,29 @@ class UpstreamBackend(LocalBackend):
             value = chat.n if name == "n" else chat.sampling.get(name, default)
             if value != default:
                 raise invalid(f"`{name}` is not supported for the upstream model `{chat.model}`.", param=name)
+        upstream.messages(chat.sent["messages"])  # refuses what cannot be forwarded, by name
 
     def prompt(self, chat):
-        """Prompt tokens as the upstream bills them: OpenAI's message framing and tool overhead
-        for a tiktoken family, else the local model's chat template, as that model reads it."""
+        """Prompt tokens as the upstream reads them: OpenAI's message framing and tool overhead
+        for a tiktoken family, else the local model's own chat template given the messages and
+        tools as an OpenAI-compatible server gives them (as vLLM does)."""
         if self.tiktoken:
             try:
-                return None, counting.chat_prompt_tokens([plain(m) for m in chat.original_messages], self.tokenizer_name, chat.tools)
+                return None, counting.chat_prompt_tokens([plain(m) for m in chat.sent["messages"]], self.tokenizer_name, chat.tools)
             except tiktoken_offline.EncodingUnavailable as exc:
                 raise ApiError(503, f"The tokenizer of `{chat.model}` is not available: {exc}", type="server_error") from None
-        turns = tools.render(chat.messages, chat.tools)
-        return None, len(registry.tokenizer(self.tokenizer_name).apply_chat_template(turns, add_generation_prompt=True, tokenize=True))
+        turns = upstream.template_messages(chat.sent["messages"])
+        template = registry.tokenizer(self.tokenizer_name).apply_chat_template
+        return None, len(template(turns, tools=chat.tools or None, add_generation_prompt=True, tokenize=True))
 
-    def count_completion(self, text, finish_reason):
-        """Tokens of the relayed text; a local chat model also produced its end-of-turn token."""
+    def count_text(self, text):
         if self.tiktoken:
             return counting.text_tokens(text, self.tokenizer_name)
-        ids = registry.tokenizer(self.tokenizer_name).encode(text, add_special_tokens=False)
-        return len(ids) + (finish_reason == FinishReason.STOP)
+        return len(registry.tokenizer(self.tokenizer_name).encode(text, add_special_tokens=False))
+
+    def count_completion(self, text, finish_reason, stop=()):
+        """Our count of a relayed reply (see upstream.completion_estimate)."""
+        return upstream.completion_estimate(self.count_text, text, finish_reason, stop, self.end_of_turn_counted)
 
     def room(self, chat):
         return int(self.entry.get("context_length", DEFAULT_CONTEXT))
@@ -138,14 +146,7 @@ class UpstreamBackend(LocalBackend):
         return len(registry.tokenizer(self.tokenizer_name))
 
     def upstream_body(self, chat, max_tokens):
-        """What the worker sends upstream: our request, in the upstream's name, always streamed
-        with the usage at the end."""
-        kept = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop", "logit_bias")
-        sampling = {k: v for k, v in chat.sampling.items() if k in kept and v not in (None, [], {})}
-        body = {**sampling, "messages": chat.original_messages, "max_tokens": max_tokens}
-        if chat.tools:
-            body["tools"] = chat.tools
-        return {**body, "model": self.served_model, "stream": True, "stream_options": {"include_usage": True}}
+        return upstream.body(chat.sent, self.served_model)
 
     def warm(self):
         if self.tiktoken:

@@ -52,7 +52,7 @@ local verdict = 'claimed'
 local deadline = redis.call('HGET', KEYS[3], 'deadline')
 if redis.call('EXISTS', KEYS[2]) == 1 then verdict = 'cancelled'
 elseif deadline and tonumber(ARGV[2]) > tonumber(deadline) then verdict = 'expired' end
-redis.call('ZREM', KEYS[4], ARGV[3])
+if verdict ~= 'claimed' or ARGV[6] ~= 'keep' then redis.call('ZREM', KEYS[4], ARGV[3]) end
 if verdict ~= 'claimed' then
   redis.call('SET', KEYS[1], 'ending', 'KEEPTTL')
   redis.call('HSET', KEYS[3], 'ending_at', ARGV[2])
@@ -94,13 +94,14 @@ def state_key(request_id):
     return streamlog.key(request_id, "state")
 
 
-def claim(client, request_id, model, worker_id):
+def claim(client, request_id, model, worker_id, keep_queued=False):
     """'claimed' (run it), 'running' (a live worker has it: a duplicate), 'ended', or why it
     must end unrun: 'cancelled', 'expired', 'lost', 'orphaned' (its worker died). The token
-    tells this claim, tried again, from a second delivery."""
+    tells this claim, tried again, from a second delivery. A request that `keep_queued` stays
+    in its model's queue (a relayed one, until its upstream has a slot for it)."""
     keys = [state_key(request_id), streamlog.key(request_id, "cancel"), streamlog.key(request_id, "meta"), streamlog.queue_key(model), streamlog.workers_key()]
-    token = uuid.uuid4().hex
-    return retrying(lambda: client.eval(CLAIM, len(keys), *keys, worker_id, time.time(), request_id, model, token))
+    token, keep = uuid.uuid4().hex, "keep" if keep_queued else ""
+    return retrying(lambda: client.eval(CLAIM, len(keys), *keys, worker_id, time.time(), request_id, model, token, keep))
 
 
 def reserve(client, request_id, worker_id):
@@ -167,6 +168,7 @@ class Outcome:
     first_token_at: float | None = None
     finished_at: float | None = None
     code: str | None = None
+    refusal: dict | None = None  # an upstream's refusal, as its client is told it (entries.End)
 
     def ledger_fields(self, received_at):
         return {
@@ -217,7 +219,7 @@ def write_ledger(facts, outcome, **fields):
 
 def end_entry(finish_reasons, outcome):
     """The last log entry: the same counts the ledger entry was given, and each choice's ending."""
-    return End(finish_reasons, outcome.usage(), error=outcome.error or None, code=outcome.code or None)
+    return End(finish_reasons, outcome.usage(), error=outcome.error or None, code=outcome.code or None, refusal=outcome.refusal)
 
 
 def publish_end(client, request_id, entry):

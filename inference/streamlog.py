@@ -212,6 +212,15 @@ def heartbeat(client, worker_id, model, running=0, waiting=0):
         pipe.execute()
 
 
+def forget_workers(client, gone):
+    """Remove the beats whose field (`host:pid:boot:device:model`) `gone` says are of workers
+    that stopped, so nothing counts them live for the rest of their TTL."""
+    fields = [field for field in workers(client) if gone(field)]
+    if fields:
+        client.hdel(workers_key(), *fields)
+    return fields
+
+
 def workers(client):
     """The raw heartbeats (sync or asyncio client); read them with served_models()."""
     return client.hgetall(workers_key())

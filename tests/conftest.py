@@ -9,7 +9,7 @@ import pytest
 from tests.service import LiveService
 from tests.waiting import eventually
 
-pytest_plugins = ["tests.browser"]
+pytest_plugins = ["tests.browser", "tests.upstreams"]
 
 
 @pytest.fixture(scope="session", autouse=True)

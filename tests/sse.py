@@ -40,4 +40,4 @@ def auth(key):
 
 
 def content_of(chunks):
-    return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if isinstance(c, dict) and c["choices"])
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if isinstance(c, dict) and c["choices"])

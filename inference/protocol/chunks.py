@@ -5,6 +5,7 @@ import re
 
 from inference.protocol.entries import (
     TOOL_KINDS,
+    Accepted,
     Delta,
     Open,
     Steer,
@@ -43,6 +44,8 @@ class ChunkWriter:
             return [self.steer_chunk(entry)]
         if isinstance(entry, TOOL_KINDS):
             return [self.tool_chunk(entry)]
+        if isinstance(entry, Accepted):
+            return []
         return self.end_chunks(entry)
 
     def opening(self, index):
@@ -91,7 +94,7 @@ class ChunkWriter:
 
     def end_chunks(self, entry):
         if entry.error is not None:
-            chunks = [ApiError(500, entry.error, type="server_error", code=entry.code).body()]
+            chunks = [error_of(entry).body()]
         else:
             chunks = [self.finish_chunk(index, reason) for index, reason in enumerate(entry.finish_reasons)]
         # The usage chunk keeps its place (None) when not asked for, so event ids stay the same
@@ -169,11 +172,20 @@ def resume_point(last_event_id):
 UNAVAILABLE = ("worker_unavailable", "queue_timeout", "request_lost")  # the service's fault, not the request's
 
 
+def error_of(end):
+    """The error an end entry tells: an upstream's refusal keeps its status, type and param (and
+    Retry-After); our own failures are 503 when the service was at fault, else 500."""
+    if end.refusal:
+        refusal = end.refusal
+        headers = {"Retry-After": refusal["retry_after"]} if refusal.get("retry_after") else {}
+        return ApiError(refusal["status"], end.error, type=refusal.get("type") or "server_error", param=refusal.get("param"), code=end.code, headers=headers)
+    return ApiError(503 if end.code in UNAVAILABLE else 500, end.error, type="server_error", code=end.code)
+
+
 def completion(admitted, deltas, end):
     """The non-streamed answer, from the delta entries and the end entry."""
     if end.error is not None:
-        status = 503 if end.code in UNAVAILABLE else 500
-        raise ApiError(status, end.error, type="server_error", code=end.code)
+        raise error_of(end)
     return {
         "id": admitted.request_id,
         "object": "chat.completion",

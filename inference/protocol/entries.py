@@ -77,13 +77,24 @@ class ToolArgs:
 
 
 @dataclass(frozen=True)
+class Accepted:
+    """An upstream model's server took the request (answered 200): its client may be answered
+    200 too. Nothing a client sees."""
+
+    t = "accepted"
+
+
+@dataclass(frozen=True)
 class End:
-    """The last entry: each choice's finish reason and the usage, or the error that ended it."""
+    """The last entry: each choice's finish reason and the usage, or the error that ended it.
+    `refusal` is an upstream's refusal before its first byte, as its client is to be told it:
+    {"status", "type", "param", "retry_after"} (the message and code are `error` and `code`)."""
 
     finish_reasons: list = field(default_factory=list)
     usage: dict = field(default_factory=dict)
     error: str | None = None
     code: str | None = None
+    refusal: dict | None = None
     t = "end"
 
 
@@ -92,8 +103,8 @@ def usage_of(prompt_tokens, completion_tokens):
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-KINDS = {kind.t: kind for kind in (Open, Delta, Steer, ToolStart, ToolArgs, End)}
-Entry = Open | Delta | Steer | ToolStart | ToolArgs | End
+KINDS = {kind.t: kind for kind in (Open, Delta, Steer, ToolStart, ToolArgs, Accepted, End)}
+Entry = Open | Delta | Steer | ToolStart | ToolArgs | Accepted | End
 TOOL_KINDS = (ToolStart, ToolArgs)
 TEXT_KINDS = (Delta, ToolStart, ToolArgs)  # what a client sees as the reply's content
 

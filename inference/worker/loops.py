@@ -29,6 +29,39 @@ _load_lock = threading.Lock()  # transformers' loading is not thread-safe (it pa
 SIGNAL_SECONDS = 0.05
 
 
+STOPPED = threading.Event()  # the worker is shutting down: its engines beat no more
+
+
+def forget_own_beats(client):
+    """At shutdown: this process serves nothing any more, so /healthz must not count it for
+    the rest of its beats' TTL."""
+    STOPPED.set()
+    own = f"{socket.gethostname()}:{os.getpid()}:{BOOT}:"
+    return streamlog.forget_workers(client, lambda field: field.startswith(own))
+
+
+def forget_stopped_here(client):
+    """At start-up: the beats of this host's worker processes that no longer run (one killed
+    before this one started) would keep /healthz answering 200 while this one loads."""
+    host = socket.gethostname()
+
+    def gone(field):
+        name, pid, boot = (field.split(":") + ["", "", ""])[:3]
+        return name == host and boot != BOOT and pid.isdigit() and not process_alive(int(pid))
+
+    return streamlog.forget_workers(client, gone)
+
+
+def process_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
 class EngineLoop(threading.Thread):
     """Loads its model and steps its engine on this one thread. torch's OpenMP (libgomp) keeps
     a team of threads for every thread that ever ran a parallel operation, and once it manages
@@ -110,7 +143,7 @@ class EngineLoop(threading.Thread):
         self.deliver(self.step())
 
     def heartbeat(self):
-        if time.monotonic() - self.last_beat >= settings.TOKSTREAM_WORKER_TTL / 3:
+        if not STOPPED.is_set() and time.monotonic() - self.last_beat >= settings.TOKSTREAM_WORKER_TTL / 3:
             streamlog.heartbeat(self.redis, self.worker_id, self.model.name, len(self.engine.running), len(self.engine.waiting))
             self.last_beat = time.monotonic()
             self.report_drafts()
@@ -187,7 +220,7 @@ class UpstreamBeat(threading.Thread):
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{BOOT}:upstream"
 
     def run(self):
-        while True:
+        while not STOPPED.is_set():
             try:
                 streamlog.heartbeat(self.redis, self.worker_id, self.name_of_model)
             except Exception:  # Redis went away: beat again later

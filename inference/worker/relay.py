@@ -1,7 +1,8 @@
-"""The worker's relay of an upstream model's stream into the request's log (how an upstream
-is counted and what it is sent: inference/backends.py)."""
+"""The worker's relay of an upstream model's stream into the request's log (what an upstream
+is sent and how it is counted: inference/upstream.py)."""
 
 import json
+import logging
 import os
 import threading
 import time
@@ -9,11 +10,14 @@ import time
 import httpx
 
 from billing import ledger
-from inference import backends, streamlog
-from inference.protocol.entries import Delta, FinishReason, ToolArgs, ToolStart
+from inference import backends, lifecycle, streamlog
+from inference.protocol.entries import Accepted, Delta, FinishReason, ToolArgs, ToolStart
+from inference.worker import slots
 
+log = logging.getLogger(__name__)
 READ_TIMEOUT = 120.0  # seconds without a byte from the upstream; an entry's "timeout_seconds" overrides it
 CANCEL_CHECK_SECONDS = 0.25
+CREDENTIALS_REFUSED = (401, 403, 407)  # our key for the upstream, not the client's: a 502
 
 
 class Relay:
@@ -27,33 +31,69 @@ class Relay:
         self.counted = 0  # completion tokens so far, delta by delta (the end count is exact)
         self.vendor_usage = None
         self.vendor_id = ""  # the upstream's id of the request: its invoice lines name it
-        self.finish_reason, self.error = None, ""
-        self.first_token_at = None
+        self.finish_reason, self.error, self.code, self.refusal = None, "", None, None
+        self.started_at = self.first_token_at = None
         self.calls = set()
+        self.stop = []
 
-    def run(self, client, body):
+    def run(self, client, body, deadline):
+        """Wait for a slot at the upstream, then relay its answer; never sent when the client
+        left or the deadline passed while it waited."""
+        self.stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
+        base_url = self.backend.entry["base_url"]
+        slot = slots.Slot(client, base_url, self.request_id, self.backend.max_concurrent, time.time())
+        if not slot.wait(lambda: self.unwanted(client, deadline)):
+            return
+        try:
+            self.started_at = time.time()
+            streamlog.leave_queue(client, self.model, self.request_id)
+            self.send(client, body, slot)
+        finally:
+            slot.release()
+
+    def unwanted(self, client, deadline):
+        if client.exists(streamlog.key(self.request_id, "cancel")):
+            self.finish_reason = FinishReason.CANCELLED  # cancelled while it queued: never sent
+            return True
+        if time.time() > deadline:
+            self.fail(lifecycle.MESSAGES["expired"], code=lifecycle.CODES["expired"])
+            return True
+        return False
+
+    def send(self, client, body, slot):
         url = self.backend.entry["base_url"].rstrip("/") + "/chat/completions"
         key = os.environ.get(self.backend.entry.get("api_key_env") or "", "")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        if client.exists(streamlog.key(self.request_id, "cancel")):
-            self.finish_reason = FinishReason.CANCELLED  # cancelled while it queued: never sent
-            return
         try:
             timeout = httpx.Timeout(10.0, read=float(self.backend.entry.get("timeout_seconds", READ_TIMEOUT)))
             with httpx.Client(timeout=timeout) as http, http.stream("POST", url, json=body, headers=headers) as response:
                 if response.status_code != 200:
-                    return self.fail(f"the upstream answered {response.status_code}: {upstream_message(response)}")
+                    return self.refused(response)
                 self.sent = True
-                self.follow(client, response)
+                streamlog.append(client, self.request_id, Accepted())
+                self.follow(client, response, slot)
         except httpx.TimeoutException:
-            self.fail("the upstream did not answer in time")
+            self.fail("the upstream did not answer in time", refusal=None if self.sent else gateway_refusal(504))
         except (httpx.HTTPError, httpx.StreamError) as exc:
-            self.fail(f"the upstream connection failed: {exc}")
+            self.fail(f"the upstream connection failed: {exc}", refusal=None if self.sent else gateway_refusal(502))
         if self.finish_reason is None:
             self.fail("the upstream stream ended without a finish reason")
 
-    def follow(self, client, response):
-        with CancelWatch(client, self.request_id, response) as watch:
+    def refused(self, response):
+        """The upstream refused before its first byte: its client is told the same status and
+        error, except that a refusal of our own credentials (or an answer that is no error) is
+        the gateway's failure (502)."""
+        status, error = response.status_code, upstream_error(response)
+        message = f"the upstream answered {status}: {error.get('message') or '(no message)'}"
+        if status in CREDENTIALS_REFUSED or not 400 <= status < 600:
+            status, error = 502, {}
+        kind = error.get("type") if isinstance(error.get("type"), str) else ("server_error" if status >= 500 else "invalid_request_error")
+        param, code = error.get("param"), error.get("code")
+        refusal = {"status": status, "type": kind, "param": param if isinstance(param, str) else None, "retry_after": response.headers.get("retry-after")}
+        self.fail(message, code=str(code) if code is not None else None, refusal=refusal)
+
+    def follow(self, client, response, slot):
+        with CancelWatch(client, self.request_id, response, slot) as watch:
             try:
                 self.read(client, response)
             except Exception:
@@ -62,8 +102,8 @@ class Relay:
         if watch.cancelled:
             self.finish_reason = FinishReason.CANCELLED
 
-    def fail(self, message):
-        self.finish_reason, self.error = FinishReason.ERROR, message
+    def fail(self, message, code=None, refusal=None):
+        self.finish_reason, self.error, self.code, self.refusal = FinishReason.ERROR, message, code, refusal
 
     def read(self, client, response):
         for line in response.iter_lines():
@@ -115,28 +155,40 @@ class Relay:
 
     def count(self, text):
         """The usage so far for continuous usage stats: delta by delta (a token split across
-        two deltas counts twice until the end's exact count)."""
-        self.counted += self.backend.count_completion(text, None)
+        two deltas counts twice until the end's count)."""
+        self.counted += self.backend.count_text(text)
         return self.counted
 
     def completion_tokens(self):
-        return self.backend.count_completion("".join(self.text + self.call_text), self.finish_reason)
+        """Our count of the whole reply (inference/upstream.py says how)."""
+        return self.backend.count_completion("".join(self.text + self.call_text), self.finish_reason, self.stop)
 
 
-def upstream_message(response):
+def gateway_refusal(status):
+    """No answer from the upstream before its first byte: a gateway's status, 502 or 504."""
+    return {"status": status, "type": "server_error", "param": None, "retry_after": None}
+
+
+def upstream_error(response):
+    """The error object of an upstream's refusal ({"error": {...}}, or a bare one, or text)."""
     try:
         response.read()
-        return response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError, httpx.HTTPError):
-        return response.text[:300] if response.is_stream_consumed else "(no body)"
+        data = response.json()
+    except (ValueError, httpx.HTTPError):
+        return {"message": response.text[:300] if response.is_stream_consumed else ""}
+    error = data.get("error", data) if isinstance(data, dict) else {}
+    if isinstance(error, str):
+        return {"message": error}
+    return error if isinstance(error, dict) else {}
 
 
 class CancelWatch:
     """While the relay reads, check the request's cancel flag a few times a second and close
-    the upstream response when it is set: the upstream sees its client leave."""
+    the upstream response when it is set: the upstream sees its client leave. It also keeps
+    the request's slot at the upstream."""
 
-    def __init__(self, client, request_id, response):
-        self.client, self.request_id, self.response = client, request_id, response
+    def __init__(self, client, request_id, response, slot):
+        self.client, self.request_id, self.response, self.slot = client, request_id, response, slot
         self.done = threading.Event()
         self.cancelled = False
 
@@ -149,7 +201,14 @@ class CancelWatch:
 
     def watch(self):
         while not self.done.wait(CANCEL_CHECK_SECONDS):
+            self.renew()
             if self.client.exists(streamlog.key(self.request_id, "cancel")):
                 self.cancelled = True
                 self.response.close()
                 return
+
+    def renew(self):
+        try:
+            self.slot.renew()
+        except Exception:  # Redis away for a moment: the lease outlasts it
+            log.warning("could not renew the upstream slot of %s", self.request_id, exc_info=True)

@@ -10,14 +10,15 @@ import queue
 import time
 
 from celery import shared_task
-from celery.signals import task_received, worker_ready
+from celery.signals import task_received, worker_ready, worker_shutdown
+from django.conf import settings
 
-from inference import lifecycle, registry, streamlog
+from inference import lifecycle, registry, streamlog, upstream
 from inference.protocol.entries import Delta, FinishReason, Steer, ToolArgs, ToolStart
 from inference.protocol.payloads import GENERATE, GenerateTask
 from inference.protocol.tools import ToolCallParser
 from inference.worker.engine import SamplingParams, choices
-from inference.worker.loops import LOST_CLAIM, Sweeper, engine_loop, reserve
+from inference.worker.loops import LOST_CLAIM, Sweeper, engine_loop, forget_own_beats, forget_stopped_here, reserve
 from inference.worker.relay import Relay
 
 log = logging.getLogger(__name__)
@@ -31,14 +32,15 @@ def generate(**fields):
     facts = lifecycle.Facts.of_task(task)
     client = streamlog.sync_client()
     loop = engine_loop(task.model)
-    verdict = lifecycle.claim(client, task.request_id, task.model, loop.worker_id)
+    relayed = task.upstream_body is not None
+    verdict = lifecycle.claim(client, task.request_id, task.model, loop.worker_id, keep_queued=relayed)
     if verdict in ("running", "ended"):
         return  # a second delivery: the first is running it, or it is over
     if verdict != "claimed":
         # Its client left, its deadline passed, Redis lost it, or its worker died: never run.
         return lifecycle.end_abandoned(client, facts, verdict)
-    if task.upstream_body is not None:
-        return relay_upstream(client, loop, facts, task.upstream_body)
+    if relayed:
+        return relay_upstream(client, facts, task.upstream_body)
     run_locally(client, loop, facts, task.prompt_ids, task.params, task.tools)
 
 
@@ -59,18 +61,22 @@ def run_locally(client, loop, facts, prompt_ids, params, tools):
         lifecycle.end(client, facts, outcome, finish_reasons, gaps, **fields)
 
 
-def relay_upstream(client, loop, facts, body):
-    """A request for an upstream model: its stream relayed into the log, counted by us."""
-    relay, started_at = Relay(facts.model, facts.request_id), time.time()
+def relay_upstream(client, facts, body):
+    """A request for an upstream model: its stream relayed into the log, billed as the
+    upstream's usage says (our count beside it), or by our count as an estimate."""
+    relay = Relay(facts.model, facts.request_id)
     try:
-        relay.run(client, body)
+        relay.run(client, body, deadline=facts.received_at + settings.TOKSTREAM_QUEUE_TIMEOUT)
     except Exception as exc:
         log.exception("request %s failed", facts.request_id)
         relay.fail(f"the relay failed: {exc}")
     finally:
-        billed = facts.prompt_tokens if relay.sent else 0  # a request the upstream never took costs nothing
-        outcome = lifecycle.Outcome(relay.finish_reason, billed, relay.completion_tokens(), relay.error, started_at, relay.first_token_at, time.time())
-        lifecycle.end(client, facts, outcome, [relay.finish_reason], **upstream_fields(facts.model, relay, outcome))
+        counted_prompt = facts.prompt_tokens if relay.sent else 0  # a request the upstream never took costs nothing
+        prompt_tokens, completion_tokens, fields = upstream_billing(relay, counted_prompt, relay.completion_tokens())
+        outcome = lifecycle.Outcome(
+            relay.finish_reason, prompt_tokens, completion_tokens, relay.error, relay.started_at, relay.first_token_at, time.time(), relay.code, relay.refusal
+        )
+        lifecycle.end(client, facts, outcome, [relay.finish_reason], **fields)
 
 
 def relay(loop, requests, client, tools=False, gaps=None):
@@ -200,20 +206,23 @@ def local_fields(requests, model, tokenizer_id):
     }
 
 
-def upstream_fields(model, relay, outcome):
-    """Our counts are the entry's; the vendor's, when it reported them, stand beside them."""
-    vendor = relay.vendor_usage or {}
-    cached = (vendor.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return {
+def upstream_billing(relay, counted_prompt, counted_completion):
+    """(prompt tokens billed, completion tokens billed, the entry's other fields): the
+    upstream's usage when it reported it, our count beside it; otherwise our count, marked as
+    an estimate, with nothing to compare it to."""
+    fields = {
         "model_served": relay.backend.served_model,
         "tokenizer": relay.backend.tokenizer_id(),
-        "cached_prompt_tokens": min(cached, outcome.prompt_tokens),
-        "usage_source": "upstream_counted",
         "vendor_request_id": relay.vendor_id,
-        "vendor_prompt_tokens": vendor.get("prompt_tokens"),
-        "vendor_cached_prompt_tokens": cached if vendor else None,
-        "vendor_completion_tokens": vendor.get("completion_tokens"),
+        "counted_prompt_tokens": counted_prompt,
+        "counted_completion_tokens": counted_completion,
     }
+    reported = upstream.vendor_counts(relay.vendor_usage)
+    if reported is None:
+        return counted_prompt, counted_completion, {**fields, "usage_source": upstream.ESTIMATED}
+    prompt, cached, completion = reported
+    vendor = {"vendor_prompt_tokens": prompt, "vendor_cached_prompt_tokens": cached, "vendor_completion_tokens": completion}
+    return prompt, completion, {**fields, **vendor, "usage_source": upstream.FROM_UPSTREAM, "cached_prompt_tokens": min(cached, prompt)}
 
 
 @worker_ready.connect
@@ -222,12 +231,22 @@ def load_models(**kwargs):
     # Celery logs and swallows a signal handler's exception; a worker without its model must
     # not stay up taking tasks, so it exits.
     try:
+        forget_stopped_here(streamlog.sync_client())
         for name in registry.names():
             engine_loop(name)
     except Exception:
         log.critical("the worker could not load its models", exc_info=True)
         os._exit(3)
     Sweeper().start()
+
+
+@worker_shutdown.connect
+def stop_beating(**kwargs):
+    # After the warm shutdown's drain: the requests it ran have ended.
+    try:
+        forget_own_beats(streamlog.sync_client())
+    except Exception:  # Redis away: the beats run out within TOKSTREAM_WORKER_TTL anyway
+        log.warning("could not remove this worker's heartbeats", exc_info=True)
 
 
 @task_received.connect
