@@ -16,7 +16,6 @@ from django.utils.safestring import mark_safe
 from billing import charts, export, invoices, ledger
 from billing.models import ApiKey, Budget, Invoice, PriceSheet, UsageEntry
 
-
 # Whether a vendor's counts agree with ours; an entry with none to compare says so, never "agree".
 VENDOR_CHECK = {True: "differ", False: "agree", None: "not compared"}
 

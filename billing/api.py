@@ -347,7 +347,9 @@ FILTER_PARAMETERS = [
     OpenApiParameter("api_key", OpenApiTypes.INT, description="The id of the key that made the requests."),
     OpenApiParameter("user", OpenApiTypes.INT, description="The id of the user the requests were made for."),
     OpenApiParameter(
-        "counts_differ", OpenApiTypes.STR, enum=["true", "false", "unknown"],
+        "counts_differ",
+        OpenApiTypes.STR,
+        enum=["true", "false", "unknown"],
         description="Whether a vendor reported other counts than ours; unknown: entries with nothing compared (a local model, or an upstream that reported no usage).",
     ),  # fmt: skip
 ]

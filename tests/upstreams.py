@@ -37,7 +37,22 @@ class LlamaServer:
             raise RuntimeError(f"llama-server is not built ({binary!r}): `make test-deps` builds it (tests/build_llama_server.sh)")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [binary, "-m", str(package_file(GGUF)), "--host", "127.0.0.1", "--port", str(self.port), "-np", "1", "-c", str(LLAMA_CONTEXT), "-t", "1", "--jinja"]
+        command = [
+            binary,
+            "-m",
+            str(package_file(GGUF)),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-np",
+            "1",
+            "-c",
+            str(LLAMA_CONTEXT),
+            "-t",
+            "1",
+            "--jinja",
+        ]
         logs.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(command, stdout=open(logs / "llama-server.log", "w"), stderr=subprocess.STDOUT)
         eventually(self.ready, 120, interval=0.3, message=f"llama-server did not start; see {logs}")
