@@ -3,7 +3,7 @@ reads (a rolling deploy runs both), and what a newer writer adds, this one ignor
 
 import json
 
-from inference.protocol.entries import Delta, End, Open, Steer, ToolArgs, ToolStart, decode, encode
+from inference.protocol.entries import Accepted, Delta, End, Open, Steer, ToolArgs, ToolStart, decode, encode
 
 # As the dict-literal writers wrote them before the entries were types.
 OLD_FORMAT = [
@@ -31,3 +31,16 @@ def test_an_old_log_reads_back_as_the_same_entries():
 
 def test_a_field_of_a_newer_writer_is_ignored():
     assert decode(json.dumps({"t": "delta", "text": "a", "n": 1, "from_the_future": True})) == Delta("a", 1)
+
+
+def test_an_upstreams_acceptance_and_refusal_read_back_as_written():
+    refused = End(
+        ["error"],
+        {},
+        error="the upstream answered 429: slow down",
+        code="rate_limit_exceeded",
+        refusal={"status": 429, "type": "requests", "param": None, "retry_after": "7"},
+    )
+    for entry in (Accepted(), refused):
+        assert decode(encode(entry)) == entry
+    assert json.loads(encode(Accepted())) == {"t": "accepted"}

@@ -6,14 +6,17 @@ same text."""
 import csv
 import io
 import threading
+import time
 
 import httpx
 import pytest
+from django.conf import settings
 
 from billing import invoices
 from billing.models import UsageEntry
 from tests.service import wait_for_entry
 from tests.sse import auth, chat_body, content_of, events
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -91,23 +94,24 @@ def test_ten_greedy_requests_are_billed_as_llama_cpp_counts_them(front, llama_se
     invoice, _ = invoices.import_invoice("openai", "llama.csv", invoice_of(watched.usages))
     outcomes = invoices.reconcile(invoice)
     assert [o.status for o in outcomes] == ["matched"] * len(REQUESTS)
-    # Our own count, beside the bill: exact for plain replies (llama.cpp counts no end-of-turn token).
-    plain = entries[:4]
-    assert [e.counts_differ for e in plain] == [False] * 4, [(e.counted_completion_tokens, e.completion_tokens) for e in plain]
+    # Our own count, beside the bill: the model's template (which drops tools, as llama.cpp
+    # does), the end-of-turn token llama-server counts, the stop string it cut.
+    ours = [(e.counted_prompt_tokens, e.counted_completion_tokens) for e in entries]
+    assert ours == [(e.prompt_tokens, e.completion_tokens) for e in entries] and not any(e.counts_differ for e in entries)
 
 
 def test_without_usage_from_the_upstream_every_entry_is_an_estimate(front, watched, api_key):
     watched.strip_usage = True  # as llama-cpp-python's server streams: no usage at all
-    for request in REQUESTS[:3]:
+    for request in REQUESTS:
         status, streamed = stream(front, api_key, llama_body(request))
         assert status == 200, streamed
         entry = wait_for_entry(seconds=30, request_id=streamed[0]["id"])
         assert entry.usage_source == "estimate" and entry.counts_differ is None
         assert entry.vendor_prompt_tokens is None and entry.vendor_completion_tokens is None
         assert (entry.prompt_tokens, entry.completion_tokens) == (entry.counted_prompt_tokens, entry.counted_completion_tokens)
-        assert entry.completion_tokens > 0 and streamed[-2]["usage"]["completion_tokens"] == entry.completion_tokens
+        assert streamed[-2]["usage"]["completion_tokens"] == entry.completion_tokens
     exported = httpx.get(f"{front.url}/api/ledger/entries/", params={"counts_differ": "unknown"}, headers=auth(ledger_key()), timeout=30).json()
-    assert {e["usage_source"] for e in exported["results"]} == {"estimate"} and len(exported["results"]) == 3
+    assert {e["usage_source"] for e in exported["results"]} == {"estimate"} and len(exported["results"]) == len(REQUESTS)
 
 
 def ledger_key():
@@ -193,8 +197,6 @@ def test_a_request_waiting_for_the_slot_gets_its_position_and_keep_alives(front,
 
 
 def wait_for_slot_taken(watched):
-    from tests.waiting import eventually
-
     eventually(lambda: watched.in_flight == 1, 30, message="the first request never reached llama.cpp")
 
 
@@ -206,8 +208,6 @@ def test_cancelling_closes_the_upstream_request(front, watched, api_key):
                 break  # the client leaves
     entry = wait_for_entry(seconds=30, model="llama")
     assert entry.status == "cancelled" and 0 < entry.completion_tokens < 400
-    from tests.waiting import eventually
-
     eventually(lambda: watched.in_flight == 0, 5, message="the upstream request stayed open")
 
 
@@ -219,3 +219,32 @@ def test_tokenize_counts_a_tool_prompt_with_the_models_own_template(front, api_k
     template = registry.tokenizer("smollm2-135m-instruct").apply_chat_template
     messages = [{**m, "content": m["content"] or ""} for m in body["messages"]]
     assert counted["prompt_tokens"] == len(template(messages, tools=body["tools"], add_generation_prompt=True, tokenize=True))
+    assert counted["estimate"] is True  # the upstream's usage will be the bill
+
+
+def test_a_client_that_set_no_max_tokens_gets_ours_without_the_upstream_being_told(front, watched, api_key):
+    body = chat_body("Write a 2000-word essay about the history of tea.", model="llama-narrow", temperature=0)
+    counted = httpx.post(f"{front.url}/v1/tokenize", json=body, headers=auth(api_key), timeout=30).json()
+    status, streamed = stream(front, api_key, body)
+    assert status == 200 and "max_tokens" not in watched.bodies[-1]
+    assert streamed[-3]["choices"][0]["finish_reason"] == "length"
+    entry = wait_for_entry(seconds=30, request_id=streamed[0]["id"])
+    assert entry.status == "length" and counted["max_tokens"] <= entry.completion_tokens <= counted["max_tokens"] + 2
+    eventually(lambda: watched.in_flight == 0, 5, message="the upstream request stayed open")
+
+
+def test_an_upstream_silent_for_seconds_before_its_first_token_keeps_the_stream_alive(front, watched, api_key):
+    """A prompt near llama.cpp's whole window: one thread reads it for several seconds (16 s
+    where it was measured), longer than redis-py's default 5 s time-out, with the shipped
+    keep-alive interval."""
+    body = llama_body({"content": "coffee " * 1900}, max_tokens=4)
+    arrivals = []
+    started = time.monotonic()
+    with httpx.stream("POST", f"{front.url}/v1/chat/completions", json={**body, "stream": True}, headers=auth(api_key), timeout=120) as response:
+        lines = [(arrivals.append(time.monotonic()), line)[1] for line in response.iter_lines() if line]
+    replied = next(t for t, line in zip(arrivals, lines) if line.startswith("data: {") and "queue_position" not in line)
+    assert replied - started > 5, lines  # it was silent for longer than a socket time-out
+    gaps = [later - earlier for earlier, later in zip([started, *arrivals], arrivals)]
+    assert max(gaps) < settings.TOKSTREAM_KEEPALIVE_SECONDS + 3 and lines[-1] == "data: [DONE]"
+    entry = wait_for_entry(seconds=30, model="llama")
+    assert entry.status in ("completed", "length") and entry.prompt_tokens > 1900

@@ -224,13 +224,14 @@ def llama_entry(url, **options):
 @pytest.fixture(scope="session")
 def front(live_service, vendor, watching, django_db_blocker):
     """A second service that relays: "relayed" is the live service, "vendor" the stand-in,
-    "llama" llama.cpp's server (one slot, so one request at a time), all beside the real model
-    whose tokenizer they name."""
+    "llama" and "llama-narrow" llama.cpp's server (one slot, so one request at a time), all
+    beside the real model whose tokenizer they name."""
     models = {
         MODEL: {"source": GGUF},
         "relayed": {"source": "openai-compatible", "base_url": f"{live_service.url}/v1", "api_key_env": "TEST_UPSTREAM_KEY", "upstream_model": MODEL, "tokenizer": MODEL},
         "vendor": {"source": "openai-compatible", "base_url": vendor, "upstream_model": "gpt-4o", "tokenizer": "o200k_base", "timeout_seconds": 1},
         "llama": llama_entry(watching.url, max_concurrent=1, context_length=8192),
+        "llama-narrow": llama_entry(watching.url, max_concurrent=1, context_length=64),  # a short prompt leaves about 20 tokens
     }  # fmt: skip
     with separate_service(django_db_blocker, 6, TOKSTREAM_MODELS=json.dumps(models), TEST_UPSTREAM_KEY=UPSTREAM_KEY) as service:
         yield service

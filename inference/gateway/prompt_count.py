@@ -23,6 +23,9 @@ def tokenize(body, content_type):
         "model": chat.model,
         "tokenizer": backends.of(chat.model).tokenizer_id(),
         "prompt_tokens": prompt_tokens,
+        # An upstream bills by its own usage: our count (of its template, or OpenAI's rules)
+        # is what we expect it to say, not what it will.
+        "estimate": backends.of(chat.model).engine is None,
         "max_tokens": max_tokens,
         "estimated_cost": estimate(chat.model, prompt_tokens, max_tokens * chat.n),
         "created": int(time.time()),

@@ -35,11 +35,15 @@ class Relay:
         self.started_at = self.first_token_at = None
         self.calls = set()
         self.stop = []
+        self.limit = None  # our completion budget, where the upstream was given none
 
-    def run(self, client, body, deadline):
+    def run(self, client, body, deadline, max_tokens):
         """Wait for a slot at the upstream, then relay its answer; never sent when the client
-        left or the deadline passed while it waited."""
+        left or the deadline passed while it waited. A client that set no `max_tokens` gets
+        ours (TOKSTREAM_DEFAULT_MAX_TOKENS, which its budget hold assumed): the upstream is not
+        told it (it gets only what the client sent), the relay stops reading there."""
         self.stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
+        self.limit = None if {"max_tokens", "max_completion_tokens"} & set(body) else max_tokens
         base_url = self.backend.entry["base_url"]
         slot = slots.Slot(client, base_url, self.request_id, self.backend.max_concurrent, time.time())
         if not slot.wait(lambda: self.unwanted(client, deadline)):
@@ -115,6 +119,9 @@ class Relay:
             entries = self.entries(json.loads(data))
             if entries:
                 streamlog.append(client, self.request_id, *entries)
+            if self.limit is not None and self.counted >= self.limit and self.finish_reason is None:
+                self.finish_reason = FinishReason.LENGTH  # leaving closes the upstream request
+                return
 
     def entries(self, chunk):
         self.vendor_id = self.vendor_id or str(chunk.get("id") or "")[:100]

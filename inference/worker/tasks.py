@@ -40,7 +40,7 @@ def generate(**fields):
         # Its client left, its deadline passed, Redis lost it, or its worker died: never run.
         return lifecycle.end_abandoned(client, facts, verdict)
     if relayed:
-        return relay_upstream(client, facts, task.upstream_body)
+        return relay_upstream(client, facts, task.upstream_body, task.max_tokens)
     run_locally(client, loop, facts, task.prompt_ids, task.params, task.tools)
 
 
@@ -61,12 +61,12 @@ def run_locally(client, loop, facts, prompt_ids, params, tools):
         lifecycle.end(client, facts, outcome, finish_reasons, gaps, **fields)
 
 
-def relay_upstream(client, facts, body):
+def relay_upstream(client, facts, body, max_tokens):
     """A request for an upstream model: its stream relayed into the log, billed as the
     upstream's usage says (our count beside it), or by our count as an estimate."""
     relay = Relay(facts.model, facts.request_id)
     try:
-        relay.run(client, body, deadline=facts.received_at + settings.TOKSTREAM_QUEUE_TIMEOUT)
+        relay.run(client, body, facts.received_at + settings.TOKSTREAM_QUEUE_TIMEOUT, max_tokens)
     except Exception as exc:
         log.exception("request %s failed", facts.request_id)
         relay.fail(f"the relay failed: {exc}")
