@@ -137,3 +137,30 @@ def test_the_usage_chart_shows_staff_each_model_s_tokens_per_day_and_no_one_else
     assert labels[-3] == today[5:]  # the last day on the axis is today
     other = sign_in(new_page, live_service, "plain")
     assert other.locator("#tokens-chart").count() == 0 and "/admin/login/" in other.url
+
+
+def relayed(request_id, vendor=None, counted=(10, 5)):
+    """A relayed request's entry: billed as the vendor reported, or our count as an estimate."""
+    billed = vendor or counted
+    reported = {"vendor_prompt_tokens": vendor[0], "vendor_completion_tokens": vendor[1]} if vendor else {}
+    now = ledger.as_datetime(time.time())
+    return ledger.record(
+        request_id, "stop", model="up", tokenizer="t", prompt_tokens=billed[0], completion_tokens=billed[1], received_at=now, finished_at=now,
+        usage_source="upstream" if vendor else "estimate", counted_prompt_tokens=counted[0], counted_completion_tokens=counted[1], **reported,
+    )  # fmt: skip
+
+
+def test_the_list_tells_agreeing_differing_and_uncompared_counts_apart(admin_client):
+    agree, differ, estimate = relayed("r-agree", vendor=(10, 5)), relayed("r-differ", vendor=(12, 5)), relayed("r-estimate")
+    assert (agree.counts_differ, differ.counts_differ, estimate.counts_differ) == (False, True, None)
+    entries(1)  # a local model: nothing to compare either
+    assert UsageEntry.objects.get(model="m").counts_differ is None
+
+    def listed(**filters):
+        page = admin_client.get(CHANGELIST, filters).content.decode()
+        return {request_id for request_id in ("r-agree", "r-differ", "r-estimate", "r-admin-m-0") if request_id in page}
+
+    assert listed(counts_differ__exact="1") == {"r-differ"} and listed(counts_differ__exact="0") == {"r-agree"}
+    assert listed(counts_differ__isnull="True") == {"r-estimate", "r-admin-m-0"}
+    page = " ".join(admin_client.get(CHANGELIST).content.decode().split())
+    assert "Not compared" in page and all(word in page for word in ("agree", "differ", "not compared", "estimate"))
