@@ -13,11 +13,24 @@ from django.urls import path
 from django.utils import timezone
 from django.utils.safestring import mark_safe
 
-from billing import charts, export, invoices, ledger
+from billing import charts, export, invoices, ledger, money
 from billing.models import ApiKey, Budget, Invoice, PriceSheet, UsageEntry
 
 # Whether a vendor's counts agree with ours; an entry with none to compare says so, never "agree".
 VENDOR_CHECK = {True: "differ", False: "agree", None: "not compared"}
+RELAYED_SOURCES = ("upstream", "estimate", "upstream_counted")  # the last: entries written before the vendor's usage was the bill
+
+
+def to_the_millisecond(moment):
+    if moment is None:
+        return "—"
+    return timezone.localtime(moment).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + timezone.localtime(moment).strftime(" %Z")
+
+
+def seconds_between(start, end):
+    if start is None or end is None:
+        return "—"
+    return f"{(end - start).total_seconds() * 1000:,.0f} ms"
 
 
 class CountsDifferFilter(admin.BooleanFieldListFilter):
@@ -51,9 +64,60 @@ class UsageEntryAdmin(admin.ModelAdmin):
     def has_delete_permission(self, request, obj=None):
         return False
 
+    fieldsets = [
+        (None, {"fields": ["request_id", "kind", "corrects", "model", "model_served", "tokenizer", "status", "finish_reason", "error", "api_key", "user"]}),
+        ("Tokens", {"fields": ["prompt_tokens", "cached_prompt_tokens", "steering_tokens", "completion_tokens", "usage_source"]}),
+        ("Vendor", {"fields": [
+            "vendor_check", "vendor_request_id", "vendor_prompt_tokens", "vendor_cached_prompt_tokens", "vendor_completion_tokens",
+            "counted_prompt_tokens", "counted_completion_tokens",
+        ]}),
+        ("Timing", {"fields": ["received", "started", "first_token", "finished", "queued", "time_to_first_token_shown", "duration", "tokens_per_second_shown"]}),
+        ("Cost", {"fields": ["price_sheet", "input_cost", "cached_input_cost", "output_cost", "total_cost", "currency"]}),
+        ("Chain", {"fields": ["previous_hash", "entry_hash"]}),
+    ]  # fmt: skip
+    readonly_fields = [
+        "vendor_check", "received", "started", "first_token", "finished", "queued", "time_to_first_token_shown", "duration",
+        "tokens_per_second_shown", "previous_hash", "entry_hash",
+    ]  # fmt: skip
+
     @admin.display(description="vendor counts", ordering="counts_differ")
     def vendor_check(self, entry):
+        if entry.usage_source not in RELAYED_SOURCES:
+            return "—"  # a local model's counts are its ids: no vendor to compare with
         return VENDOR_CHECK[entry.counts_differ]
+
+    @admin.display(description="received")
+    def received(self, entry):
+        return to_the_millisecond(entry.received_at)
+
+    @admin.display(description="started")
+    def started(self, entry):
+        return to_the_millisecond(entry.started_at)
+
+    @admin.display(description="first token")
+    def first_token(self, entry):
+        return to_the_millisecond(entry.first_token_at)
+
+    @admin.display(description="finished")
+    def finished(self, entry):
+        return to_the_millisecond(entry.finished_at)
+
+    @admin.display(description="queued for")
+    def queued(self, entry):
+        return seconds_between(entry.received_at, entry.started_at)
+
+    @admin.display(description="time to first token")
+    def time_to_first_token_shown(self, entry):
+        return seconds_between(entry.received_at, entry.first_token_at)
+
+    @admin.display(description="duration")
+    def duration(self, entry):
+        return seconds_between(entry.received_at, entry.finished_at)
+
+    @admin.display(description="tokens per second")
+    def tokens_per_second_shown(self, entry):
+        rate = entry.tokens_per_second
+        return "—" if rate is None else f"{rate:.1f} (after the first token)"
 
     def changelist_view(self, request, extra_context=None):
         """The list, with the totals of the rows its filters select."""
@@ -86,15 +150,18 @@ class UsageEntryAdmin(admin.ModelAdmin):
         """Tokens and cost per day and model, over the chosen days (30 by default)."""
         days = chosen_days(request)
         since = timezone.now() - timedelta(days=days)
-        rows = ledger.daily_totals(UsageEntry.objects.filter(received_at__gte=since))
+        entries = UsageEntry.objects.filter(received_at__gte=since)
+        rows = list(ledger.daily_totals(entries))
         labels = [(since + timedelta(days=i + 1)).date().isoformat() for i in range(days)]
-        tokens, cost = per_day(rows, labels, "total_tokens"), per_day(rows, labels, "cost")
+        currencies = sorted({row["currency"] for row in rows if row["cost"] is not None})
         context = {
             **self.admin_site.each_context(request),
             "title": "Usage per day",
             "days": days,
-            "tokens_chart": mark_safe(charts.stacked_bars(labels, tokens, "Tokens per day")),
-            "cost_chart": mark_safe(charts.stacked_bars(labels, cost, "Cost per day")),
+            "tokens_chart": mark_safe(charts.stacked_bars(labels, per_day(rows, labels, "total_tokens"), "Tokens per day")),
+            # One chart per currency: amounts in two currencies do not stack.
+            "cost_charts": [(c, mark_safe(charts.stacked_bars(labels, per_day(rows, labels, "cost", c), f"Cost per day ({c})"))) for c in currencies],
+            "unpriced": totals(entries)["unpriced"],
         }
         return TemplateResponse(request, "admin/billing/usage.html", context)
 
@@ -105,13 +172,24 @@ def chosen_days(request):
 
 
 def totals(queryset):
-    return queryset.aggregate(entries=Count("id"), prompt_tokens=Sum("prompt_tokens"), completion_tokens=Sum("completion_tokens"), cost=Sum("total_cost"))
+    """Entries and tokens of the selected rows; their cost per currency (never one sum across
+    currencies); and what has no price, so a total is never read as complete when it is not."""
+    counts = {"entries": Count("id"), "prompt_tokens": Sum("prompt_tokens"), "completion_tokens": Sum("completion_tokens")}
+    priced = queryset.filter(total_cost__isnull=False).order_by("currency").values("currency").annotate(entries=Count("id"), cost=Sum("total_cost"))
+    return {
+        **queryset.aggregate(**counts),
+        "costs": [{"amount": money.amount(row["cost"], row["currency"]), "entries": row["entries"]} for row in priced],
+        "unpriced": queryset.filter(total_cost__isnull=True).aggregate(**counts),
+    }
 
 
-def per_day(rows, labels, field):
-    """{model: [value per label day]} (unknown cost counts as 0 in the picture)."""
+def per_day(rows, labels, field, currency=None):
+    """{model: [value per label day]}, of one currency's rows when one is named (unpriced rows
+    draw in no cost chart)."""
     series = {}
     for row in rows:
+        if currency is not None and (row["currency"] != currency or row["cost"] is None):
+            continue
         values = series.setdefault(row["model"], [0.0] * len(labels))
         day = row["day"].isoformat()
         if day in labels:

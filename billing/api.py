@@ -433,10 +433,11 @@ class DailySerializer(serializers.Serializer):
     completion_tokens = serializers.IntegerField()
     total_tokens = serializers.IntegerField()
     cost = serializers.DecimalField(max_digits=30, decimal_places=9, allow_null=True, help_text="Empty when a model has no price sheet: unknown, not zero.")
+    currency = serializers.CharField(help_text="The cost's currency (a model's days in two currencies are two rows); empty when unpriced.")
 
 
 class Daily(LedgerView):
-    """GET /api/ledger/daily/: tokens, cost and requests per day and model."""
+    """GET /api/ledger/daily/: tokens, cost and requests per day, model and currency."""
 
     @extend_schema(
         parameters=[*FILTER_PARAMETERS, format_parameter(["json"])],

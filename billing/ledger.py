@@ -138,12 +138,12 @@ def verify():
 
 
 def daily_totals(entries):
-    """Requests, tokens and cost per day (in the current time zone) and model of `entries`,
-    oldest day first: the admin's usage chart and the REST daily totals read the same sums.
-    A model without a price sheet sums to an empty cost, unknown, not zero."""
+    """Requests, tokens and cost per day (in the current time zone), model and currency of
+    `entries`, oldest day first: the admin's usage chart and the REST daily totals read the same
+    sums. A model without a price sheet sums to an empty cost (and currency), unknown, not zero."""
     return (
         entries.annotate(day=TruncDate("received_at"))
-        .values("day", "model")
+        .values("day", "model", "currency")
         .annotate(
             requests=Count("id"),
             prompt_tokens=Sum("prompt_tokens"),
@@ -151,5 +151,5 @@ def daily_totals(entries):
             cost=Sum("total_cost"),
         )
         .annotate(total_tokens=F("prompt_tokens") + F("completion_tokens"))  # of the sums: the names are theirs now
-        .order_by("day", "model")
+        .order_by("day", "model", "currency")
     )

@@ -16,8 +16,8 @@ tar -xzf "$work"/llama_cpp_python-"$version".tar.gz -C "$work"
 src="$work/llama_cpp_python-$version/vendor/llama.cpp"
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-  -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF >"$work/cmake.log"
-cmake --build "$work/build" --target llama-server -j"$(nproc)" >"$work/build.log" || { tail -50 "$work/build.log" >&2; exit 1; }
+  -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF >"$work/cmake.log" 2>&1 || { cat "$work/cmake.log" >&2; exit 1; }
+cmake --build "$work/build" --target llama-server -j"$(nproc)" >"$work/build.log" 2>&1 || { tail -50 "$work/build.log" >&2; exit 1; }
 mkdir -p "$(dirname "$out")"
 cp "$work/build/bin/llama-server" "$out.tmp"
 mv "$out.tmp" "$out"

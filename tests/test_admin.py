@@ -3,6 +3,7 @@
 import csv
 import io
 import time
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
@@ -35,7 +36,8 @@ def test_the_list_totals_the_filtered_rows_and_refuses_changes(admin_client):
     entries(3, "a")
     entries(2, "b")
     page = " ".join(admin_client.get(CHANGELIST, {"model": "a"}).content.decode().split())
-    assert "3 entries: 30 prompt + 3 completion tokens; cost unknown" in page
+    assert "3 entries: 30 prompt + 3 completion tokens." in page and "Cost: unknown" in page
+    assert "3 entries have no price (30 prompt + 3 completion tokens)" in page
     entry = UsageEntry.objects.first()
     assert admin_client.get(f"{CHANGELIST}add/").status_code == 403
     assert admin_client.post(f"{CHANGELIST}{entry.pk}/delete/").status_code == 403
@@ -105,10 +107,32 @@ def test_the_usage_chart_draws_the_rest_daily_totals(admin_client):
     entries(2, "b")
     context = admin_client.get(f"{CHANGELIST}usage/").context
     daily = admin_client.get("/api/ledger/daily/").json()
-    assert [row["model"] for row in daily] == ["a", "b"]
+    assert [(row["model"], row["currency"]) for row in daily] == [("a", "USD"), ("b", "")]
+    charts = dict(context["cost_charts"])
+    assert list(charts) == ["USD"] and context["unpriced"]["entries"] == 2  # b has no price: in no cost chart, and said so
     for row in daily:
         assert f"<title>{row['model']} {row['day']}: {row['total_tokens']:g}</title>" in context["tokens_chart"]
-        assert f"<title>{row['model']} {row['day']}: {float(row['cost'] or 0):g}</title>" in context["cost_chart"]  # unknown draws as 0
+    assert f"<title>a {daily[0]['day']}: {float(daily[0]['cost']):g}</title>" in charts["USD"] and "<title>b " not in charts["USD"]
+
+
+def test_money_is_totalled_per_currency_to_its_minor_unit_and_unpriced_entries_are_counted(admin_client):
+    """Entries in two currencies and some unpriced: a total per currency (never one sum), the
+    unpriced counted beside them, and a cost chart per currency."""
+    prices = dict(input_per_million=Decimal(1000), cached_input_per_million=Decimal(1000), output_per_million=Decimal(2000))
+    PriceSheet.objects.create(model="usd", effective_from=ledger.as_datetime(0), currency="USD", **prices)
+    PriceSheet.objects.create(model="eur", effective_from=ledger.as_datetime(0), currency="EUR", **prices)
+    entries(2, "usd")  # 10 prompt + 0 or 1 completion each: 0.010 + 0.012 USD
+    entries(1, "eur")  # 0.010 EUR
+    entries(3, "free")
+    page = " ".join(admin_client.get(CHANGELIST).content.decode().split())
+    assert "6 entries: 60 prompt + 4 completion tokens." in page
+    assert 'Cost: <span class="cost">0.01 EUR (1 entry)</span> · <span class="cost">0.02 USD (2 entries)</span>' in page
+    assert "3 entries have no price (30 prompt + 3 completion tokens)" in page  # the free ones: 0 + 1 + 2 completion
+    usage = admin_client.get(f"{CHANGELIST}usage/")
+    assert [currency for currency, _ in usage.context["cost_charts"]] == ["EUR", "USD"]
+    eur = dict(usage.context["cost_charts"])["EUR"]
+    assert "Cost per day (EUR)" in eur and "<title>eur " in eur and "<title>usd " not in eur
+    assert 'class="tick">0.01</text>' in eur  # a y-axis in the currency's amounts
 
 
 def sign_in(new_page, service, username):
@@ -133,8 +157,10 @@ def test_the_usage_chart_shows_staff_each_model_s_tokens_per_day_and_no_one_else
     assert len(bars) == 2 * 30
     assert [bar for bar in bars if not bar.endswith(": 0")] == [f"a {today}: 33", f"b {today}: 21"]
     labels = page.locator("#tokens-chart svg text").all_text_contents()
-    assert labels[0] == "Tokens per day (max 54)" and labels[-2:] == ["■ a", "■ b"]
-    assert labels[-3] == today[5:]  # the last day on the axis is today
+    assert labels[0] == "Tokens per day" and labels[-2:] == ["■ a", "■ b"]
+    assert page.locator("#tokens-chart svg text.tick").all_text_contents() == ["0", "25", "50", "75", "100"]  # a y-axis, up to 54 and over
+    dates = labels[6:-2]
+    assert len(dates) == 10 and dates[-1] == today[5:]  # 30 days, every third labelled, so none overlap; the last is today
     other = sign_in(new_page, live_service, "plain")
     assert other.locator("#tokens-chart").count() == 0 and "/admin/login/" in other.url
 
@@ -164,3 +190,13 @@ def test_the_list_tells_agreeing_differing_and_uncompared_counts_apart(admin_cli
     assert listed(counts_differ__isnull="True") == {"r-estimate", "r-admin-m-0"}
     page = " ".join(admin_client.get(CHANGELIST).content.decode().split())
     assert "Not compared" in page and all(word in page for word in ("agree", "differ", "not compared", "estimate"))
+
+
+def test_an_entry_s_page_shows_its_times_to_the_millisecond_with_its_durations(admin_client):
+    received = datetime(2026, 12, 1, 10, 0, 0, 123000, tzinfo=UTC)
+    at = {name: received + timedelta(milliseconds=ms) for name, ms in (("started_at", 50), ("first_token_at", 312), ("finished_at", 2312))}
+    entry = ledger.record("r-times", "stop", model="m", tokenizer="t", prompt_tokens=5, completion_tokens=41, received_at=received, **at)
+    page = " ".join(admin_client.get(f"{CHANGELIST}{entry.pk}/change/").content.decode().split())
+    assert "2026-12-01 10:00:00.123 UTC" in page and "2026-12-01 10:00:02.435 UTC" in page
+    assert "50 ms" in page and "312 ms" in page and "2,312 ms" in page
+    assert "20.5 (after the first token)" in page  # 41 tokens in the 2 s after the first
