@@ -513,7 +513,22 @@ function appendRendered(body, text) {
   body.append(container);
 }
 
+// -- the chat list as a drawer (narrow screens; chat.css shows the toggle there only) -----------
+
+function openDrawer(open) {
+  document.body.classList.toggle("drawer-open", open);
+  $("drawer-toggle").setAttribute("aria-expanded", String(open));
+  $("drawer-shade").hidden = !open;
+  if (open) document.querySelector("#chats a")?.focus();
+}
+
 // -- wiring ------------------------------------------------------------------------------------
+
+$("drawer-toggle").addEventListener("click", () => openDrawer(!document.body.classList.contains("drawer-open")));
+$("drawer-shade").addEventListener("click", () => openDrawer(false));
+$("chats").addEventListener("click", (event) => {
+  if (event.target.closest("a")) openDrawer(false);
+});
 
 $("composer").addEventListener("submit", (event) => {
   event.preventDefault();
@@ -532,7 +547,9 @@ $("steer-form").addEventListener("submit", (event) => {
   steer();
 });
 document.addEventListener("keydown", (event) => {
-  if (event.key === "Escape") stop();
+  if (event.key !== "Escape") return;
+  if (document.body.classList.contains("drawer-open")) openDrawer(false);
+  else stop();
 });
 $("stop").addEventListener("click", stop);
 $("jump").addEventListener("click", jumpToLatest);

@@ -47,8 +47,8 @@ def new_page(chromium, monkeypatch):
         browser = pw.chromium.connect(chromium)
         contexts = []
 
-        def open_page():
-            contexts.append(browser.new_context())
+        def open_page(**context_options):  # a phone's viewport and touch, say
+            contexts.append(browser.new_context(**context_options))
             return contexts[-1].new_page()
 
         yield open_page
