@@ -118,13 +118,26 @@ function addReplyTurn(turn) {
   return node;
 }
 
+// The cost and what it is made of: the prompt read afresh, the prompt served from a cache (at
+// its own, lower price) and the reply.
 function formatCost(usage) {
   if (usage.cost === null || usage.cost === undefined) return "cost unknown";
-  return `${usage.cost} ${usage.currency || ""}`.trim();
+  const total = `${usage.cost} ${usage.currency || ""}`.trim();
+  if (usage.input_cost === undefined || usage.input_cost === null) return total;
+  return `${total} (input ${usage.input_cost} + cached input ${usage.cached_input_cost} + output ${usage.output_cost})`;
 }
 
 function usageLine(usage) {
-  return `${usage.prompt_tokens} prompt + ${usage.completion_tokens} completion = ${usage.total_tokens} tokens · ${formatCost(usage)}`;
+  const cached = usage.cached_prompt_tokens ? ` (${usage.cached_prompt_tokens} cached)` : "";
+  return `${usage.prompt_tokens} prompt${cached} + ${usage.completion_tokens} completion = ${usage.total_tokens} tokens · ${formatCost(usage)}`;
+}
+
+// The bar shows the reply's ledger numbers once it has ended: the same ones as under the reply.
+function showBarNumbers(usage) {
+  $("ttft").textContent = usage.time_to_first_token_ms === null ? "–" : `${usage.time_to_first_token_ms} ms`;
+  $("rate").textContent = usage.tokens_per_second === null ? "–" : String(usage.tokens_per_second);
+  $("completion").textContent = String(usage.completion_tokens);
+  $("usage").textContent = usageLine(usage);
 }
 
 function timingLine(usage) {
@@ -280,12 +293,15 @@ class Reply {
     this.segment = this.newSegment();
   }
 
+  // Live numbers, until the ledger's replace them. A reply followed again after a reload
+  // replays what it had written in one burst: a rate measured from that would be the replay's,
+  // so such a reply shows none until the ledger's.
   showRate() {
-    if (this.firstAt === null) return;
-    if (this.sentAt !== null) $("ttft").textContent = `${Math.round(this.firstAt - this.sentAt)} ms`;
+    $("completion").textContent = String(this.completion);
+    if (this.firstAt === null || this.sentAt === null) return;
+    $("ttft").textContent = `${Math.round(this.firstAt - this.sentAt)} ms`;
     const seconds = (performance.now() - this.firstAt) / 1000;
     if (this.completion > 1 && seconds > 0) $("rate").textContent = ((this.completion - 1) / seconds).toFixed(1);
-    $("completion").textContent = String(this.completion);
   }
 
   async finish(problem) {
@@ -314,7 +330,7 @@ class Reply {
       const saved = chat.turns.find((turn) => turn.id === this.turn.id);
       if (saved?.usage) {
         showNumbers(this.node, saved.usage);
-        $("usage").textContent = usageLine(saved.usage);
+        showBarNumbers(saved.usage);
       }
       addRegenerate();
     } catch (error) {

@@ -38,6 +38,17 @@ WATCH_REPLY = """() => {
 }"""
 
 
+# Every animation frame while a tool call's arguments stream: the completion count shown.
+WATCH_COMPLETION_WHILE_CALLING = """() => {
+  window.__counted = [];
+  const sample = () => {
+    if (document.querySelector('.turn.assistant:last-of-type .tool-args')) window.__counted.push(document.querySelector('#completion').textContent);
+    requestAnimationFrame(sample);
+  };
+  requestAnimationFrame(sample);
+}"""
+
+
 class Browser:
     """One signed-in page, with what it printed to its console."""
 
@@ -115,14 +126,26 @@ def test_a_real_reply_grows_in_steps_and_ends_with_the_usage_and_cost_of_its_led
     assert len(lengths) >= 3, f"the reply appeared in {len(lengths)} paint(s)"
     entry = UsageEntry.objects.get()
     assert entry.total_cost > 0
-    cost = format(entry.total_cost.normalize(), "f")
-    expected = f"{entry.prompt_tokens} prompt + {entry.completion_tokens} completion = {entry.total_tokens} tokens · {cost} USD"
+    expected = usage_line(entry)
     assert page.text_content(f"{REPLY} .meta .usage") == expected
     assert page.text_content("#usage") == expected
     assert page.text_content("#status") == "done"
-    assert page.text_content("#ttft").endswith(" ms")
-    assert float(page.text_content("#rate")) > 0
+    # One time to first token and one rate on the page: the ledger's, in the bar as under the reply.
+    ttft, rate = round(entry.time_to_first_token * 1000), round(entry.tokens_per_second, 1)
+    assert page.text_content("#ttft") == f"{ttft} ms" and float(page.text_content("#rate")) == rate
+    assert page.text_content(f"{REPLY} .meta .timing") == f"{ttft} ms to first token · {rate:g} tokens/s"
     assert browser.errors == []
+
+
+def usage_line(entry):
+    """What the page says of an entry's usage: its cost with the parts it is made of."""
+
+    def text(value):
+        return format(value.normalize(), "f")
+
+    cached = f" ({entry.cached_prompt_tokens} cached)" if entry.cached_prompt_tokens else ""
+    parts = f"input {text(entry.input_cost)} + cached input {text(entry.cached_input_cost)} + output {text(entry.output_cost)}"
+    return f"{entry.prompt_tokens} prompt{cached} + {entry.completion_tokens} completion = {entry.total_tokens} tokens · {text(entry.total_cost)} USD ({parts})"
 
 
 def test_the_history_is_kept_on_the_server_and_a_reload_shows_it_with_its_numbers(browser, live_service):
@@ -258,6 +281,8 @@ def test_a_reload_in_the_middle_of_a_reply_shows_the_whole_reply(browser):
     browser.wait_until_done()
     assert page.get_attribute(REPLY, "data-text") == message
     assert browser.reply_text().strip() == message
+    entry = wait_for_entry(seconds=10, model="echo")  # the rate is the generation's, never the replay burst's
+    page.wait_for_function(f"() => document.querySelector('#rate').textContent === '{round(entry.tokens_per_second, 1):g}'")
 
 
 def test_a_streamed_tool_call_grows_as_text_and_shows_its_parsed_arguments_at_the_end(browser):
@@ -265,8 +290,11 @@ def test_a_streamed_tool_call_grows_as_text_and_shows_its_parsed_arguments_at_th
     page.evaluate(WATCH_REPLY)
     tools = '[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]'
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", "days": [1, 2, 3]}}\n</tool_call>'
+    page.evaluate(WATCH_COMPLETION_WHILE_CALLING)
     browser.send(f"Let me check.{call}", model="echo", tools=tools)
     browser.wait_until_done()
+    counted = [int(n) for n in page.evaluate("window.__counted") if n.isdigit()]
+    assert len(set(counted)) > 3, f"the completion count should grow while the call streams: {counted}"
     grown = sorted({len(text) for text in page.evaluate("window.__args")})
     assert len(grown) > 3, "the arguments should have grown in several steps"
     assert page.get_attribute(REPLY, "data-finish-reason") == "tool_calls"

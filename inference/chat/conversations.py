@@ -201,12 +201,20 @@ def usage_json(entry):
         "prompt_tokens": entry.prompt_tokens,
         "completion_tokens": entry.completion_tokens,
         "total_tokens": entry.total_tokens,
-        "cost": None if entry.total_cost is None else format(entry.total_cost.normalize(), "f"),
+        "cached_prompt_tokens": entry.cached_prompt_tokens,
+        "cost": decimal_text(entry.total_cost),
+        "input_cost": decimal_text(entry.input_cost),
+        "cached_input_cost": decimal_text(entry.cached_input_cost),
+        "output_cost": decimal_text(entry.output_cost),
         "currency": entry.currency,
         "time_to_first_token_ms": None if entry.time_to_first_token is None else round(entry.time_to_first_token * 1000),
         "tokens_per_second": None if entry.tokens_per_second is None else round(entry.tokens_per_second, 1),
         "status": entry.status,
     }
+
+
+def decimal_text(value):
+    return None if value is None else format(value.normalize(), "f")
 
 
 def turns_json(chat):

@@ -90,7 +90,12 @@ class ChunkWriter:
         else:
             call = {"index": entry.index, "function": {"arguments": entry.text}}
         index = entry.i
-        return self.chunk([{"index": index, "delta": {**self.opening(index), "tool_calls": [call]}, "logprobs": None, "finish_reason": None}])
+        chunk = self.chunk([{"index": index, "delta": {**self.opening(index), "tool_calls": [call]}, "logprobs": None, "finish_reason": None}])
+        if entry.n is not None:
+            self.produced[index] = entry.n
+            if self.continuous_usage:  # a call's tokens count as they stream, as a text's do
+                chunk["usage"] = usage_of(self.prompt_tokens, entry.n)
+        return chunk
 
     def end_chunks(self, entry):
         if entry.error is not None:

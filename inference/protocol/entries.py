@@ -57,22 +57,25 @@ class Steer:
 
 @dataclass(frozen=True)
 class ToolStart:
-    """A tool call begins: its index, id and function name."""
+    """A tool call begins: its index, id and function name (and, like a delta, the choice's
+    completion tokens so far, when the writer knows them)."""
 
     index: int
     id: str
     name: str
     i: int = 0
+    n: int | None = None
     t = "tool"
 
 
 @dataclass(frozen=True)
 class ToolArgs:
-    """A fragment of a tool call's arguments."""
+    """A fragment of a tool call's arguments (and the completion tokens so far)."""
 
     index: int
     text: str
     i: int = 0
+    n: int | None = None
     t = "args"
 
 

@@ -141,8 +141,8 @@ def event_entry(output, event):
     if event[0] == "content":
         return Delta(event[1], output.completion_tokens, output.index)
     if event[0] == "call":
-        return ToolStart(event[1], event[2], event[3], output.index)
-    return ToolArgs(event[1], event[2], output.index)
+        return ToolStart(event[1], event[2], event[3], output.index, output.completion_tokens)
+    return ToolArgs(event[1], event[2], output.index, output.completion_tokens)
 
 
 def ended_with_calls(request, parser):
