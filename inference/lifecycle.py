@@ -193,8 +193,11 @@ def unrun(verdict, completion_tokens=0, prompt_tokens=0):
 
 
 def end(client, facts, outcome, finish_reasons=None, gaps=(), **ledger_fields):
-    """End the request once: its ledger entry (with the hold back), then its end entry."""
+    """End the request once: its ledger entry (with the hold back), then its end entry. A
+    cancelled request's entry says who cancelled it."""
     reasons = finish_reasons or [outcome.finish_reason] * facts.n
+    if outcome.finish_reason == FinishReason.CANCELLED and not outcome.error:
+        ledger_fields.setdefault("error", cancelled_by(client, facts.request_id))
     wrote = write_ledger(facts, outcome, **ledger_fields)
     if publish_end(client, facts.request_id, end_entry(reasons, outcome)) or wrote:
         after_end(client, facts, outcome, gaps)  # the first ender only
@@ -215,6 +218,14 @@ def write_ledger(facts, outcome, **fields):
     except Exception:  # the client still gets its end; the operator gets the alarm, the sweeper a retry
         log.critical("no ledger entry could be written for request %s", facts.request_id, exc_info=True)
         return False
+
+
+def cancelled_by(client, request_id):
+    try:
+        return streamlog.cancelled_by(client, request_id)
+    except Exception:  # Redis away: the entry is written all the same, without the reason
+        log.warning("could not read who cancelled %s", request_id, exc_info=True)
+        return ""
 
 
 def end_entry(finish_reasons, outcome):
@@ -296,7 +307,7 @@ def end_abandoned(client, facts, verdict):
     ran = client.hget(streamlog.key(facts.request_id, "meta"), "ran") == "1"
     outcome = unrun(verdict, usage_in_log(client, facts.request_id), facts.prompt_tokens if ran else 0)
     if ran:
-        streamlog.cancel(client, facts.request_id)
+        streamlog.cancel(client, facts.request_id, "ended_elsewhere")
     end(client, facts, outcome, usage_source="stream_log" if ran else "engine_ids")
 
 

@@ -151,8 +151,25 @@ def load_meta(client, request_id):
     return client.hgetall(key(request_id, "meta"))
 
 
-def cancel(client, request_id):
-    return client.set(key(request_id, "cancel"), "1", ex=settings.TOKSTREAM_LOG_TTL)
+# Who cancelled a request, as its cancel flag says and its ledger entry keeps (`error`).
+CANCELLED_BY = {
+    "user": "Stopped by its user.",
+    "client_left": "Cancelled: its client closed the connection.",
+    "abandoned": "Cancelled: nobody followed it for {abandon} s (its page was closed or away).",
+    "ended_elsewhere": "Cancelled: it was ended while its worker still ran it.",
+    "unsaved": "Cancelled: its chat could not be saved.",
+}
+
+
+def cancel(client, request_id, by="user"):
+    """Set the request's cancel flag, saying who cancelled it (a key of CANCELLED_BY); the
+    first to cancel is the one kept. Works with the sync or the asyncio client."""
+    return client.set(key(request_id, "cancel"), by, ex=settings.TOKSTREAM_LOG_TTL, nx=True)
+
+
+def cancelled_by(client, request_id):
+    """Why the request was cancelled, as its ledger entry says it; "" when nobody cancelled it."""
+    return CANCELLED_BY.get(client.get(key(request_id, "cancel")) or "", "").format(abandon=settings.TOKSTREAM_ABANDON_SECONDS)
 
 
 async def add_reader(client, request_id, delta):

@@ -92,7 +92,7 @@ function setBusy(busy) {
   $("stop").disabled = !busy;
   $("steer-form").hidden = !busy;
   log.setAttribute("aria-busy", String(busy));
-  for (const button of log.querySelectorAll(".regenerate")) button.disabled = busy;
+  for (const button of log.querySelectorAll(".reply-action")) button.disabled = busy;
 }
 
 function element(tag, className, text) {
@@ -147,10 +147,21 @@ function timingLine(usage) {
   return parts.join(" · ");
 }
 
+// How a reply ended, from its ledger entry: the same words live and after a reload.
+const ENDINGS = { completed: "Completed", tool_calls: "Called a tool", length: "Cut at the token limit", cancelled: "Cancelled", failed: "Failed" };
+
+function endingLine(usage) {
+  if (usage.status === "failed") return `Failed: ${usage.why || "the reply could not be written"}`;
+  if (usage.status === "cancelled" && usage.why) return usage.why;
+  return ENDINGS[usage.status] || usage.status;
+}
+
 function showNumbers(node, usage) {
   const meta = node.querySelector(".meta");
-  meta.replaceChildren(element("span", "usage", usageLine(usage)), element("span", "timing", timingLine(usage)));
+  const ending = element("span", `ending ${usage.status}`, endingLine(usage));
+  meta.replaceChildren(ending, element("span", "usage", usageLine(usage)), element("span", "timing", timingLine(usage)));
   node.dataset.usage = JSON.stringify(usage);
+  node.dataset.ending = usage.status;
 }
 
 // -- tool calls: arguments grow as text; parsed once the call is complete ------------------
@@ -421,18 +432,29 @@ async function regenerate() {
   }
 }
 
+// The last reply's actions: Regenerate, and Continue where it was cut at the token limit.
 function addRegenerate() {
   removeRegenerate();
   const last = log.lastElementChild;
   if (!last || !last.classList.contains("assistant")) return;
-  const button = element("button", "regenerate link", "Regenerate");
+  last.append(actionButton("regenerate", "Regenerate", regenerate));
+  if (last.dataset.ending === "length") last.append(actionButton("continue", "Continue", continueReply));
+}
+
+function actionButton(className, label, action) {
+  const button = element("button", `${className} reply-action link`, label);
   button.type = "button";
-  button.addEventListener("click", regenerate);
-  last.append(button);
+  button.addEventListener("click", action);
+  return button;
+}
+
+function continueReply() {
+  prompt.value = "Continue.";
+  send();
 }
 
 function removeRegenerate() {
-  for (const button of log.querySelectorAll(".regenerate")) button.remove();
+  for (const button of log.querySelectorAll(".reply-action")) button.remove();
 }
 
 // Stop cancels on the server; the reply keeps what was written and ends with "cancelled".

@@ -108,6 +108,19 @@ def test_the_chat_page_streams_an_upstream_model(front, new_page):
     assert browser.page.text_content(f"{REPLY} .meta .usage").startswith(f"{entry.prompt_tokens} prompt + 2 completion")
 
 
+def test_the_chat_page_marks_a_reply_whose_upstream_failed_also_after_a_reload(front, new_page):
+    browser = chat_page(new_page, front.url)
+    browser.send("fail", model="vendor")
+    browser.wait_until_done()
+    mark = "Failed: the upstream answered 500: the vendor is down"
+    page = browser.page
+    page.wait_for_selector(f"{REPLY} .meta .ending")
+    assert page.text_content(f"{REPLY} .meta .ending") == mark
+    page.reload()
+    page.wait_for_selector(f"{REPLY} .meta .ending")
+    assert page.text_content(f"{REPLY} .meta .ending") == mark
+
+
 def test_tokenize_agrees_with_the_ledger_for_an_upstream_model(front, api_key, upstream_key):
     body = chat_body("Name a river.", model="relayed", max_tokens=3, temperature=0)
     counted = httpx.post(f"{front.url}/v1/tokenize", json=body, headers=auth(api_key), timeout=30).json()

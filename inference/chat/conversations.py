@@ -122,7 +122,7 @@ class undo_on_failure:
 
     def __exit__(self, kind, exc, tb):
         if exc is not None:
-            streamlog.cancel(streamlog.sync_client(), self.request_id)
+            streamlog.cancel(streamlog.sync_client(), self.request_id, "unsaved")
 
 
 def check_idle(chat):
@@ -210,6 +210,7 @@ def usage_json(entry):
         "time_to_first_token_ms": None if entry.time_to_first_token is None else round(entry.time_to_first_token * 1000),
         "tokens_per_second": None if entry.tokens_per_second is None else round(entry.tokens_per_second, 1),
         "status": entry.status,
+        "why": entry.error,  # a failure's error, or who cancelled it
     }
 
 

@@ -357,7 +357,7 @@ class ChatCompletions(StreamingApp):
         # Counted as a reader, so a resume elsewhere that ends does not cancel this stream.
         left, interrupted = await follow(receive, work, client, admitted.request_id)
         if (left is not None or interrupted or writer.interrupted) and not chat.detach:
-            await cancel_quietly(client, admitted.request_id)
+            await cancel_quietly(client, admitted.request_id, "client_left")
 
     async def admit(self, scope, receive):
         if scope["method"] != "POST":
@@ -367,11 +367,11 @@ class ChatCompletions(StreamingApp):
         return chat, await sync_to_async(admit_in_pool, thread_sensitive=False)(chat, owner)
 
 
-async def cancel_quietly(client, request_id):
+async def cancel_quietly(client, request_id, by):
     """Stop a request nobody reads any more; with Redis down, its worker stops on its own (the
     state it checks every step is gone too)."""
     try:
-        await streamlog.cancel(client, request_id)
+        await streamlog.cancel(client, request_id, by)
     except Exception:
         log.warning("could not cancel request %s", request_id, exc_info=True)
 
@@ -469,7 +469,7 @@ def cancel_unless_followed(client, request_id):
     async def later():
         await asyncio.sleep(settings.TOKSTREAM_ABANDON_SECONDS)
         if int(await client.get(streamlog.key(request_id, "readers")) or 0) <= 0:
-            await streamlog.cancel(client, request_id)
+            await streamlog.cancel(client, request_id, "abandoned")
 
     task = asyncio.get_running_loop().create_task(later())
     _pending_cancels.add(task)  # the loop keeps only a weak reference to its tasks
