@@ -10,6 +10,7 @@ class Chat(models.Model):
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="chats")
     title = models.CharField(max_length=TITLE_CHARS)
     system_prompt = models.TextField(blank=True)
+    settings = models.JSONField(default=dict, blank=True)  # the page's model and parameters, as last sent
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -113,6 +113,7 @@ function addUserTurn(turn) {
 function addReplyTurn(turn) {
   const node = element("article", "turn assistant");
   node.dataset.turnId = turn.id || "";
+  node.dataset.model = turn.model || "";
   node.append(element("div", "body"), element("div", "tool-calls"), element("footer", "meta"));
   log.append(node);
   return node;
@@ -159,7 +160,8 @@ function endingLine(usage) {
 function showNumbers(node, usage) {
   const meta = node.querySelector(".meta");
   const ending = element("span", `ending ${usage.status}`, endingLine(usage));
-  meta.replaceChildren(ending, element("span", "usage", usageLine(usage)), element("span", "timing", timingLine(usage)));
+  const model = element("span", "model", node.dataset.model); // which model wrote it
+  meta.replaceChildren(ending, model, element("span", "usage", usageLine(usage)), element("span", "timing", timingLine(usage)));
   node.dataset.usage = JSON.stringify(usage);
   node.dataset.ending = usage.status;
 }
@@ -372,9 +374,41 @@ function resetNumbers() {
   for (const id of ["ttft", "rate", "completion", "usage"]) $(id).textContent = "–";
 }
 
+// A chat keeps the model and parameters it was last sent with: opened again, it has them.
+function showSettings(settings) {
+  if (!settings) return;
+  if (settings.model && [...$("model").options].some((option) => option.value === settings.model)) $("model").value = settings.model;
+  const fields = { temperature: "temperature", max_tokens: "max-tokens", seed: "seed" };
+  for (const [name, id] of Object.entries(fields)) if (settings[name] !== undefined) $(id).value = settings[name];
+  if (settings.tools) $("tools").value = JSON.stringify(settings.tools);
+}
+
+async function renameChat() {
+  const title = window.prompt("Rename this chat", document.querySelector(".chat-link.current")?.textContent || "");
+  if (!title || !title.trim()) return;
+  try {
+    const chat = await post(`/api/chats/${state.chat.id}/rename`, { title });
+    for (const link of document.querySelectorAll(`#chat-list a[href="${chat.url}"]`)) link.textContent = chat.title;
+    document.title = `${chat.title} · tokstream`;
+  } catch (error) {
+    setStatus(`Not renamed: ${error.message}`);
+  }
+}
+
+async function deleteChat() {
+  if (!window.confirm("Delete this chat? Its usage stays in the ledger.")) return;
+  try {
+    await post(`/api/chats/${state.chat.id}/delete`, {});
+    window.location.assign("/");
+  } catch (error) {
+    setStatus(`Not deleted: ${error.message}`);
+  }
+}
+
 function rememberChat(chat) {
   if (state.chat.id === chat.id) return;
   state.chat = chat;
+  $("chat-actions").hidden = false;
   history.replaceState(null, "", chat.url);
   const link = element("a", "chat-link current", chat.title);
   link.href = chat.url;
@@ -562,6 +596,8 @@ function openDrawer(open) {
 
 // -- wiring ------------------------------------------------------------------------------------
 
+$("rename").addEventListener("click", renameChat);
+$("delete").addEventListener("click", deleteChat);
 $("drawer-toggle").addEventListener("click", () => openDrawer(!document.body.classList.contains("drawer-open")));
 $("drawer-shade").addEventListener("click", () => openDrawer(false));
 $("chats").addEventListener("click", (event) => {
@@ -593,6 +629,7 @@ $("stop").addEventListener("click", stop);
 $("jump").addEventListener("click", jumpToLatest);
 log.addEventListener("scroll", onScroll, { passive: true });
 
+showSettings(state.chat.settings);
 showSavedTurns(JSON.parse($("turns-data").textContent));
 // Compile the renderer's code paths while idle, so a reply's first paint does not pay for it.
 requestIdleCallback(() => renderMarkdown("*a* **b** `c` [d](https://e)\n\n- f\n\n```\ng\n```"));

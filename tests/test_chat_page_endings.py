@@ -8,10 +8,10 @@ from django.conf import settings
 
 from inference.models import Chat
 from tests.service import wait_for_entry
-from tests.test_chat_page import REPLY, chat_page, wait_for_text
+from tests.test_chat_page import REPLY, Browser, chat_page, wait_for_text
 
 pytestmark = pytest.mark.django_db(transaction=True)
-LONG = " ".join(f"word{n}" for n in range(1000))  # about 45 s of the echo model
+LONG = " ".join(f"word{n}" for n in range(1000))  # 3,891 tokens: with max_tokens 4000, about a minute of the echo model
 
 
 def ending_after_reload(browser):
@@ -42,18 +42,19 @@ def test_a_completed_reply_and_one_cut_at_max_tokens_say_so_and_the_cut_one_offe
 def test_a_stopped_reply_and_one_abandoned_by_its_page_are_told_apart(live_service, new_page):
     browser = chat_page(new_page, live_service.url)
     page = browser.page
-    browser.send(LONG, model="echo")
+    browser.send(LONG, model="echo", max_tokens=4000)
     wait_for_text(page, 30)
     page.click("#stop")
     browser.wait_until_done()
     assert ending_after_reload(browser) == ("Stopped by its user.",) * 2
 
     page.goto(f"{live_service.url}/")  # a new chat, so its prompt is one message again
-    browser.send(LONG, model="echo")
+    browser.send(LONG, model="echo", max_tokens=4000)
     wait_for_text(page, 30)
     chat_url = page.url
-    page.goto("about:blank")  # the page is away, with the reply still being written
+    page.close()  # the tab is closed with the reply still being written
     entry = wait_for_entry(seconds=settings.TOKSTREAM_ABANDON_SECONDS + 30, status="cancelled", error__startswith="Cancelled")
-    page.goto(chat_url)
+    browser = Browser(new_page(), live_service.url)
+    browser.page.goto(chat_url)
     away = f"Cancelled: nobody followed it for {settings.TOKSTREAM_ABANDON_SECONDS} s (its page was closed or away)."
     assert entry.error == away and ending_after_reload(browser) == (away, away)

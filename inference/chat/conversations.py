@@ -80,8 +80,26 @@ def post_message(user, chat, body):
                 chat = Chat.objects.create(user=user, title=title_of(content), system_prompt=system)
             user_turn = Turn.objects.create(chat=chat, role=Turn.USER, content=content)
             reply = Turn.objects.create(chat=chat, role=Turn.ASSISTANT, request_id=admitted.request_id, model=model)
-            chat.save(update_fields=["updated_at"])
+            keep_settings(chat, body)
     return chat, [user_turn, reply], admitted
+
+
+def keep_settings(chat, body):
+    """The chat remembers the model and parameters it was last sent with: reopened, it has them."""
+    chat.settings = {name: body[name] for name in PARAMETERS if body.get(name) is not None}
+    chat.save(update_fields=["settings", "updated_at"])
+
+
+def rename(chat, body):
+    chat.title = title_of(checked_text(body.get("title"), "title"))
+    chat.save(update_fields=["title", "updated_at"])
+    return chat
+
+
+def delete(chat):
+    """The chat and its turns go; the ledger keeps every entry its replies wrote."""
+    with transaction.atomic():
+        locked_idle(chat).delete()
 
 
 def regenerate(user, chat, body):
@@ -98,7 +116,7 @@ def regenerate(user, chat, body):
         with undo_on_failure(admitted.request_id), transaction.atomic():
             last.delete()
             reply = Turn.objects.create(chat=chat, role=Turn.ASSISTANT, request_id=admitted.request_id, model=model)
-            chat.save(update_fields=["updated_at"])
+            keep_settings(chat, body)
     return chat, [reply], admitted
 
 
@@ -228,4 +246,4 @@ def turns_json(chat):
 
 
 def chat_json(chat):
-    return {"id": chat.pk, "title": chat.title, "url": f"/c/{chat.pk}", "updated_at": chat.updated_at.isoformat()}
+    return {"id": chat.pk, "title": chat.title, "url": f"/c/{chat.pk}", "updated_at": chat.updated_at.isoformat(), "settings": chat.settings}

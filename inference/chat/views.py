@@ -100,6 +100,17 @@ def chat_detail(request, chat_id):
     return JsonResponse({**chats.chat_json(chat), "turns": chats.turns_json(chat)})
 
 
+@session_api("POST")
+def chat_rename(request, chat_id):
+    return JsonResponse(chats.chat_json(chats.rename(owned_chat(request.user, chat_id), json_body(request))))
+
+
+@session_api("POST")
+def chat_delete(request, chat_id):
+    chats.delete(owned_chat(request.user, chat_id))
+    return JsonResponse({"id": int(chat_id), "deleted": True})
+
+
 def reply_json(chat, turns, admitted):
     return JsonResponse(
         {
