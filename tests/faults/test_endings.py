@@ -34,7 +34,10 @@ def one_slot(django_db_setup, django_db_blocker, redis_client):
 def test_a_request_past_its_queue_deadline_fails_unrun(one_slot, budgeted):
     _, key, budget = budgeted
     first = []
-    runner = threading.Thread(target=lambda: first.append(record(one_slot.url, key, body(ESSAY, max_tokens=1500), leave_after=45)))
+    # The end-of-turn tokens barred, so the essay holds the one slot for all its 1,500 tokens,
+    # past the 20 s deadline, wherever a greedy reply would have stopped by itself.
+    hold = body(ESSAY, max_tokens=1500, logit_bias={"0": -100, "2": -100})
+    runner = threading.Thread(target=lambda: first.append(record(one_slot.url, key, hold, leave_after=45)))
     runner.start()
     client = streamlog._sync_client(one_slot.env["TEST_REDIS_URL"])
     wait_until_running(client, wait_for_requests(key, 1), 1)  # the one slot is taken: the next request waits
