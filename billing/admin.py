@@ -21,10 +21,16 @@ VENDOR_CHECK = {True: "differ", False: "agree", None: "not compared"}
 RELAYED_SOURCES = ("upstream", "estimate", "upstream_counted")  # the last: entries written before the vendor's usage was the bill
 
 
-def to_the_millisecond(moment):
-    if moment is None:
+def moment(field, description):
+    """An admin column of one of an entry's times, to the millisecond."""
+    return admin.display(description=description)(lambda self, entry: to_the_millisecond(getattr(entry, field)))
+
+
+def to_the_millisecond(at):
+    if at is None:
         return "—"
-    return timezone.localtime(moment).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + timezone.localtime(moment).strftime(" %Z")
+    local = timezone.localtime(at)
+    return local.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + local.strftime(" %Z")
 
 
 def seconds_between(start, end):
@@ -86,21 +92,10 @@ class UsageEntryAdmin(admin.ModelAdmin):
             return "—"  # a local model's counts are its ids: no vendor to compare with
         return VENDOR_CHECK[entry.counts_differ]
 
-    @admin.display(description="received")
-    def received(self, entry):
-        return to_the_millisecond(entry.received_at)
-
-    @admin.display(description="started")
-    def started(self, entry):
-        return to_the_millisecond(entry.started_at)
-
-    @admin.display(description="first token")
-    def first_token(self, entry):
-        return to_the_millisecond(entry.first_token_at)
-
-    @admin.display(description="finished")
-    def finished(self, entry):
-        return to_the_millisecond(entry.finished_at)
+    received = moment("received_at", "received")
+    started = moment("started_at", "started")
+    first_token = moment("first_token_at", "first token")
+    finished = moment("finished_at", "finished")
 
     @admin.display(description="queued for")
     def queued(self, entry):
