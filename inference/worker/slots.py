@@ -78,7 +78,3 @@ class Slot:
                 pipe.zrem(key, self.request_id)
             pipe.execute()
 
-
-def holders(client, server):
-    """The requests holding a slot at `server` now (for /metrics and tests)."""
-    return client.zrangebyscore(keys(server.rstrip("/"))[0], time.time(), "+inf")
