@@ -77,4 +77,3 @@ class Slot:
             for key in self.keys:
                 pipe.zrem(key, self.request_id)
             pipe.execute()
-
