@@ -98,8 +98,8 @@ class UpstreamBackend(LocalBackend):
         self.entry = registry.entry(name)
         self.tokenizer_name = self.entry["tokenizer"]
         self.tiktoken = self.tokenizer_name in tiktoken_offline.ENCODINGS
-        self.end_of_turn_counted = upstream.counts_end_of_turn(self.entry, self.tiktoken)
-        self.max_concurrent = upstream.max_concurrent(self.entry)
+        self.end_of_turn_counted = upstream.counts_end_of_turn(self.entry)
+        self.max_concurrent = upstream.max_concurrent(self.entry, settings.TOKSTREAM_MODELS.values())
 
     @property
     def served_model(self):
@@ -110,6 +110,7 @@ class UpstreamBackend(LocalBackend):
             value = chat.n if name == "n" else chat.sampling.get(name, default)
             if value != default:
                 raise invalid(f"`{name}` is not supported for the upstream model `{chat.model}`.", param=name)
+        upstream.refuse_unrelayable(chat.sent)
         upstream.messages(chat.sent["messages"])  # refuses what cannot be forwarded, by name
 
     def prompt(self, chat):
@@ -130,9 +131,9 @@ class UpstreamBackend(LocalBackend):
             return counting.text_tokens(text, self.tokenizer_name)
         return len(registry.tokenizer(self.tokenizer_name).encode(text, add_special_tokens=False))
 
-    def count_completion(self, text, finish_reason, stop=()):
+    def count_completion(self, text, finish_reason, stop=(), stop_reason=upstream.UNSAID):
         """Our count of a relayed reply (see upstream.completion_estimate)."""
-        return upstream.completion_estimate(self.count_text, text, finish_reason, stop, self.end_of_turn_counted)
+        return upstream.completion_estimate(self.count_text, text, finish_reason, stop, self.end_of_turn_counted, stop_reason)
 
     def room(self, chat):
         return int(self.entry.get("context_length", DEFAULT_CONTEXT))

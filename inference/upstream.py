@@ -11,17 +11,20 @@ an estimate and nothing was compared.
 
 import json
 
+from django.core.exceptions import ImproperlyConfigured
+
+from billing.tiktoken_offline import ENCODINGS
 from inference.protocol.entries import FinishReason
 from inference.protocol.errors import invalid
 
-# The body fields an upstream is forwarded when the client sent them: OpenAI's, and the sampling
-# extensions vLLM and llama.cpp share. `n` and `logprobs` only ever at their neutral values
-# (anything else is refused before); our own `tokstream` options stay here.
-FORWARDED = (
-    "messages", "max_tokens", "max_completion_tokens", "n", "temperature", "top_p", "top_k", "min_p",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "logit_bias",
-    "logprobs", "tools", "tool_choice", "user",
-)  # fmt: skip
+# What the relay answers for itself rather than forwarding as sent: the model (the upstream's
+# name for it), the stream (always one) and its options (the usage always asked for), and our
+# own extension. Every other field the client sent goes upstream as it was sent, ours to check
+# or not: the upstream refuses what it does not take, and its client is told its refusal.
+OURS = ("model", "stream", "stream_options", "tokstream")
+# OpenAI fields whose answers are neither text nor tool calls (a function call of the old API,
+# audio): a relay of chat chunks would lose them, so they are refused.
+NOT_RELAYABLE = ("functions", "function_call", "audio", "modalities")
 
 # Whether a known server's usage counts the end-of-turn token a reply ends with when the model
 # stops by itself: vLLM, SGLang and llama.cpp's own llama-server count every id the model
@@ -29,25 +32,49 @@ FORWARDED = (
 # stops before it; OpenAI's usage counts the text. A registry entry's "server" picks one, and
 # "counts_end_of_turn" overrides it.
 COUNTS_END_OF_TURN = {"vllm": True, "sglang": True, "llama.cpp": True, "llama-cpp-python": False, "openai": False}
-DEFAULT_MAX_CONCURRENT = 8  # requests in flight to one upstream; set it to the server's slots
+# Requests in flight to one server unless its entry says "max_concurrent": llama-cpp-python's
+# server interrupts the request it runs when another arrives, so it gets one at a time; the
+# others queue what they cannot run yet themselves.
+MAX_CONCURRENT = {"llama-cpp-python": 1}
+DEFAULT_MAX_CONCURRENT = 8
 
 # How an entry's counts were obtained (UsageEntry.usage_source).
 FROM_UPSTREAM = "upstream"  # the upstream's usage: the bill; ours beside it
 ESTIMATED = "estimate"  # the upstream reported none: our count, billed as an estimate
 
 
-def server_of(entry, tiktoken):
-    return entry.get("server") or ("openai" if tiktoken else "vllm")
+def server_of(entry):
+    server = entry.get("server") or ("openai" if entry["tokenizer"] in ENCODINGS else "vllm")
+    if server not in COUNTS_END_OF_TURN:
+        raise ImproperlyConfigured(f"TOKSTREAM_MODELS: server {server!r} is not one of {', '.join(COUNTS_END_OF_TURN)}")
+    return server
 
 
-def counts_end_of_turn(entry, tiktoken):
+def counts_end_of_turn(entry):
     if "counts_end_of_turn" in entry:
         return bool(entry["counts_end_of_turn"])
-    return COUNTS_END_OF_TURN.get(server_of(entry, tiktoken), False)
+    return COUNTS_END_OF_TURN[server_of(entry)]
 
 
-def max_concurrent(entry):
-    return int(entry.get("max_concurrent", DEFAULT_MAX_CONCURRENT))
+def max_concurrent(entry, entries):
+    """How many requests the entry's server is sent at once. Entries that share a server share
+    its slots, so the least any of them allows holds for all."""
+    return min(own_limit(other) for other in entries if same_server(other, entry))
+
+
+def own_limit(entry):
+    limit = entry.get("max_concurrent", MAX_CONCURRENT.get(server_of(entry), DEFAULT_MAX_CONCURRENT))
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise ImproperlyConfigured(f"TOKSTREAM_MODELS: max_concurrent must be a positive integer, not {limit!r}")
+    return limit
+
+
+def same_server(entry, other):
+    return entry.get("source") == "openai-compatible" and server_url(entry) == server_url(other)
+
+
+def server_url(entry):
+    return entry["base_url"].rstrip("/")
 
 
 # -- forwarding -------------------------------------------------------------------------------
@@ -55,10 +82,16 @@ def max_concurrent(entry):
 
 def body(sent, served_model):
     """The upstream's request: what the client sent, in the upstream's model name, always
-    streamed, with the usage asked for."""
-    forwarded = {name: sent[name] for name in FORWARDED if sent.get(name) is not None}
+    streamed, with the usage asked for. A field sent as null is a field not sent."""
+    forwarded = {name: value for name, value in sent.items() if name not in OURS and value is not None}
     forwarded["messages"] = messages(sent["messages"])
     return {**forwarded, "model": served_model, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def refuse_unrelayable(sent):
+    for name in NOT_RELAYABLE:
+        if sent.get(name) is not None:
+            raise invalid(f"`{name}` is not supported for an upstream model: its answer would not reach the client.", param=name)
 
 
 def messages(sent):
@@ -66,12 +99,13 @@ def messages(sent):
 
 
 def message(sent, index):
-    """One message as OpenAI's schema has it. A tool-call turn's content goes as "" rather than
-    null (chat templates that join content and calls fail on null), each call with its id and its
-    arguments as JSON text; a tool result names the call it answers."""
-    forwarded = {key: value for key, value in sent.items() if value is not None}
+    """One message as OpenAI's schema has it. Content goes as "" rather than null (chat
+    templates that join content and calls fail on null, and a turn without content is refused),
+    a call turn with its calls, each with its id and its arguments as JSON text (an empty list
+    of calls is no call turn); a tool result names the call it answers."""
+    forwarded = {key: value for key, value in sent.items() if value is not None and key != "tool_calls"}
+    forwarded["content"] = sent.get("content") or ""
     if sent.get("tool_calls"):
-        forwarded["content"] = sent.get("content") or ""
         forwarded["tool_calls"] = [call(c, f"messages.[{index}].tool_calls.[{j}]") for j, c in enumerate(sent["tool_calls"])]
     if sent["role"] == "tool" and not isinstance(sent.get("tool_call_id"), str):
         raise not_forwardable(f"messages.[{index}].tool_call_id", "a tool result must name the call it answers")
@@ -121,19 +155,31 @@ def parsed(arguments):
 # -- counting ---------------------------------------------------------------------------------
 
 
-def completion_estimate(count, text, finish_reason, stop, end_of_turn_counted):
+UNSAID = object()  # the upstream did not say why it stopped
+
+
+def completion_estimate(count, text, finish_reason, stop, end_of_turn_counted, stop_reason=UNSAID):
     """Our count of a reply from its text, `count` being the upstream's tokenizer. A reply cut
-    at a stop string produced the stop string's tokens too, though none of it is shown: when
-    stop strings were given and the reply stopped, the cut is assumed (the stream does not say
-    which ended it), at the stop string that adds the fewest tokens."""
+    at a stop string produced the stop string's tokens too, though none of it is shown. vLLM
+    says which ended it (`stop_reason`: the stop string, or a token id or null for the end of
+    the turn); where the upstream does not say and stop strings were given, the cut is assumed,
+    at the stop string that adds the fewest tokens."""
     if finish_reason == FinishReason.STOP and stop:
-        return min(count(text + s) for s in stop)
+        if isinstance(stop_reason, str) and stop_reason in stop:
+            return count(text + stop_reason)
+        if stop_reason is UNSAID:
+            return min(count(text + s) for s in stop)
     return count(text) + (end_of_turn_counted and finish_reason == FinishReason.STOP)
 
 
 def vendor_counts(usage):
-    """(prompt, cached prompt, completion) from an upstream's usage object; None without one."""
-    if not usage or usage.get("prompt_tokens") is None or usage.get("completion_tokens") is None:
+    """(prompt, cached prompt, completion) from an upstream's usage object; None without one,
+    or with counts that are not counts (nothing is billed from a malformed report)."""
+    if not isinstance(usage, dict):
         return None
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return int(usage["prompt_tokens"]), int(cached), int(usage["completion_tokens"])
+    details = usage.get("prompt_tokens_details")
+    cached = (details.get("cached_tokens") if isinstance(details, dict) else None) or 0
+    counts = (usage.get("prompt_tokens"), cached, usage.get("completion_tokens"))
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+        return None
+    return counts

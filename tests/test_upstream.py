@@ -3,16 +3,19 @@ and ledger. Here the upstream is the live service (the real model behind a real 
 small vendor stand-in that misreports its usage, refuses or hangs; llama.cpp's own server is
 tests/test_upstream_llama_cpp.py's (the fixtures: tests/upstreams.py)."""
 
+import threading
 import time
 
 import httpx
 import pytest
 
 from billing.models import ApiKey, UsageEntry, hash_key
+from inference.worker import slots
 from tests.service import wait_for_entry
 from tests.sse import MODEL, auth, chat_body, content_of, events
 from tests.test_chat_page import REPLY, chat_page
-from tests.upstreams import REPORTED, UPSTREAM_KEY
+from tests.upstreams import REPORTED, UPSTREAM_KEY, VendorStandIn
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -77,13 +80,14 @@ def test_an_upstream_that_reports_other_counts_is_billed_its_counts_and_flagged(
 
 
 @pytest.mark.parametrize("stream_it", [True, False])
-def test_an_upstream_refusal_reaches_the_client_with_its_own_status(front, api_key, stream_it):
-    body = chat_body("busy", model="vendor", stream=stream_it)
-    answer = httpx.post(f"{front.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=60)
-    assert answer.status_code == 429 and answer.headers["retry-after"] == "7"
-    error = answer.json()["error"]
-    assert error["code"] == "rate_limit_exceeded" and error["type"] == "requests"
-    assert error["message"] == "the upstream answered 429: Rate limit reached"
+@pytest.mark.parametrize("refusal", ["busy", "overloaded", "missing"])
+def test_an_upstream_refusal_reaches_the_client_with_its_own_status(front, api_key, stream_it, refusal):
+    status, error, headers = VendorStandIn.REFUSALS[refusal]
+    answer = httpx.post(f"{front.url}/v1/chat/completions", json=chat_body(refusal, model="vendor", stream=stream_it), headers=auth(api_key), timeout=60)
+    assert answer.status_code == status and answer.headers.get("retry-after") == headers.get("Retry-After")
+    told = answer.json()["error"]
+    assert (told["code"], told["type"]) == (error["code"], error["type"])
+    assert told["message"] == f"the upstream answered {status}: {error['message']}"
     entry = wait_for_entry(seconds=10, model="vendor")
     assert entry.status == "failed" and entry.prompt_tokens == 0  # the vendor never took it: nothing billed
 
@@ -141,3 +145,56 @@ def test_a_call_sent_whole_in_one_chunk_keeps_its_arguments_and_steering_is_refu
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     steer = httpx.post(f"{front.url}/v1/chat/completions/{answer['id']}/steer", json={"content": "Be brief."}, headers=auth(api_key), timeout=30)
     assert steer.status_code == 400 and "upstream" in steer.json()["error"]["message"]
+
+
+def test_a_client_that_leaves_while_the_upstream_is_silent_cuts_the_upstream_connection(front, api_key):
+    """A long prefill sends no byte: the cut reaches the upstream at once all the same, and the
+    prompt it read is billed."""
+    VendorStandIn.left.clear()
+    body = chat_body("silent 30", model="vendor-slow", stream=True)
+    with pytest.raises(httpx.ReadTimeout):  # the status line waits for the upstream's answer (or the first keep-alive)
+        httpx.post(f"{front.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=httpx.Timeout(10, read=2))
+    left = time.monotonic()
+    eventually(lambda: VendorStandIn.left, 5, message="the upstream's connection stayed open")
+    assert VendorStandIn.left[0] - left < 3
+    entry = wait_for_entry(seconds=10, model="vendor-slow")
+    assert entry.status == "cancelled" and entry.usage_source == "estimate"
+    assert entry.prompt_tokens == entry.counted_prompt_tokens > 0 and entry.completion_tokens == 0
+
+
+def test_an_upstream_silent_for_longer_than_a_slot_lease_keeps_its_one_slot(front, api_key):
+    """The first request's upstream says nothing for longer than a slot's lease (as shipped): the
+    lease is renewed while the relay waits for the answer, so the second request is not sent
+    to the one-slot server meanwhile."""
+    VendorStandIn.most_in_flight = VendorStandIn.in_flight
+    first = threading.Thread(target=stream, args=(front, api_key, chat_body(f"silent {slots.LEASE_SECONDS + 3}", model="vendor-slow")))
+    first.start()
+    try:
+        eventually(lambda: VendorStandIn.in_flight == 1, 10, message="the first request never reached the upstream")
+        second = [data for _, data in stream(front, api_key, chat_body("Say hello.", model="vendor-slow"))]
+    finally:
+        first.join()
+    assert content_of(second[:-1]) == "Hello there" and VendorStandIn.most_in_flight == 1
+
+
+def test_an_error_chunk_before_the_finish_reason_fails_the_request(front, api_key):
+    streamed = [data for _, data in stream(front, api_key, chat_body("error then stop", model="vendor"))]
+    assert [data["error"]["message"] for data in streamed[:-1] if "error" in data] == ["the upstream failed: the vendor lost its model"]
+    entry = wait_for_entry(seconds=10, model="vendor")
+    assert entry.status == "failed" and entry.error == "the upstream failed: the vendor lost its model"
+
+
+def test_usage_that_is_not_numbers_is_no_bill_and_the_request_still_ends(front, api_key):
+    streamed = [data for _, data in stream(front, api_key, chat_body("bad usage", model="vendor"))]
+    assert streamed[-1] == "[DONE]" and content_of(streamed[:-1]) == "Hello there"
+    entry = wait_for_entry(seconds=10, model="vendor")
+    assert entry.status == "completed" and entry.usage_source == "estimate" and entry.counts_differ is None
+    billed = (entry.prompt_tokens, entry.completion_tokens)
+    assert billed == (entry.counted_prompt_tokens, entry.counted_completion_tokens) == (streamed[-2]["usage"]["prompt_tokens"], 2)
+
+
+def test_a_field_whose_answer_a_relay_would_lose_is_refused_by_name(front, api_key):
+    body = chat_body("Say hello.", model="vendor", functions=[{"name": "f", "parameters": {}}])
+    answer = httpx.post(f"{front.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "functions"
+    assert not UsageEntry.objects.exists()

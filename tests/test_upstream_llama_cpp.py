@@ -121,13 +121,14 @@ def ledger_key():
 
 
 def test_a_relayed_request_carries_only_what_the_client_sent(front, watched, api_key):
-    body = llama_body(REQUESTS[-1], seed=7, top_k=1)
+    # top_k is vLLM's and llama.cpp's, response_format OpenAI's that we do not read ourselves: both go as sent.
+    body = llama_body(REQUESTS[-1], seed=7, top_k=1, response_format={"type": "text"})
     status, streamed = stream(front, api_key, body)
     assert status == 200, streamed  # llama.cpp took the tool-call turn as forwarded
     sent = watched.bodies[-1]
     client_fields = set(body) | {"stream", "stream_options"}
     assert set(sent) == client_fields and sent["model"] == "smollm2" and sent["stream_options"] == {"include_usage": True}
-    assert sent["top_k"] == 1 and sent["seed"] == 7 and sent["tools"] == [WEATHER]
+    assert sent["top_k"] == 1 and sent["seed"] == 7 and sent["tools"] == [WEATHER] and sent["response_format"] == {"type": "text"}
     assert sent["messages"][1] == {"role": "assistant", "content": "", "tool_calls": [CALL]}
     assert sent["messages"][2:] == body["messages"][2:]
 

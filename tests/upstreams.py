@@ -2,8 +2,11 @@
 OpenAI-compatible server nobody here wrote), an HTTP proxy that watches what it is sent, and a
 small vendor stand-in for refusals the real server never gives (429 with Retry-After)."""
 
+import contextlib
 import json
 import os
+import select
+import socket
 import subprocess
 import threading
 import time
@@ -150,22 +153,57 @@ class WatchingProxy:
 
 
 class VendorStandIn(BaseHTTPRequestHandler):
-    """Streams "Hello there" and reports usage that is not what it sent; "fail" gets a 500,
-    "busy" a 429 with Retry-After, "hang" no answer in time."""
+    """Streams "Hello there" and reports usage that is not what it sent. Other messages get
+    what real vendors send less often: "fail" a 500, "busy" a 429 and "overloaded" a 503 with
+    Retry-After, "missing" a 404; "hang" no answer in time; "error then stop" an error chunk
+    followed by a finish reason; "bad usage" counts that are not numbers; "silent N" no byte
+    for N seconds (a long prefill), noticing when its client leaves meanwhile."""
+
+    REFUSALS = {
+        "fail": (500, {"message": "the vendor is down"}, {}),
+        "busy": (429, {"message": "Rate limit reached", "type": "requests", "code": "rate_limit_exceeded"}, {"Retry-After": "7"}),
+        "overloaded": (503, {"message": "The engine is currently overloaded", "type": "server_error", "code": None}, {"Retry-After": "3"}),
+        "missing": (404, {"message": "The model `gpt-4o` does not exist", "type": "invalid_request_error", "code": "model_not_found"}, {}),
+    }
+    lock = threading.Lock()
+    in_flight = most_in_flight = 0
+    left = []  # when each silent request's client left (time.monotonic())
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         last = body["messages"][-1]["content"]
-        if last == "fail":
-            return self.answer(500, b'{"error": {"message": "the vendor is down"}}', "application/json")
-        if last == "busy":
-            error = b'{"error": {"message": "Rate limit reached", "type": "requests", "code": "rate_limit_exceeded"}}'
-            return self.answer(429, error, "application/json", {"Retry-After": "7"})
+        if last in self.REFUSALS:
+            status, error, headers = self.REFUSALS[last]
+            return self.answer(status, json.dumps({"error": error}).encode(), "application/json", headers)
         if last == "hang":
             time.sleep(5)  # longer than the "vendor" entry's timeout
         assert body["stream"] and body["stream_options"] == {"include_usage": True}
-        stream = "".join(f"data: {json.dumps({'id': 'v-1', 'object': 'chat.completion.chunk', **c})}\n\n" for c in self.chunks(last))
-        self.answer(200, (stream + "data: [DONE]\n\n").encode(), "text/event-stream")
+        with self.counted():
+            if last.startswith("silent ") and not self.silent(float(last.split()[1])):
+                return
+            stream = "".join(f"data: {json.dumps({'id': 'v-1', 'object': 'chat.completion.chunk', **c})}\n\n" for c in self.chunks(last))
+            self.answer(200, (stream + "data: [DONE]\n\n").encode(), "text/event-stream")
+
+    @contextlib.contextmanager
+    def counted(self):
+        with self.lock:
+            VendorStandIn.in_flight += 1
+            VendorStandIn.most_in_flight = max(VendorStandIn.most_in_flight, VendorStandIn.in_flight)
+        try:
+            yield
+        finally:
+            with self.lock:
+                VendorStandIn.in_flight -= 1
+
+    def silent(self, seconds):
+        """Wait without a byte; False when the client closed the connection meanwhile."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            readable, _, _ = select.select([self.connection], [], [], 0.05)
+            if readable and not self.connection.recv(1, socket.MSG_PEEK):
+                self.left.append(time.monotonic())
+                return False
+        return True
 
     def chunks(self, last):
         chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
@@ -174,8 +212,11 @@ class VendorStandIn(BaseHTTPRequestHandler):
             chunks += [{"choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": "tool_calls"}]}]
         else:
             chunks += [{"choices": [{"index": 0, "delta": {"content": word}}]} for word in ("Hello", " there")]
+            if last == "error then stop":
+                chunks += [{"error": {"message": "the vendor lost its model"}, "choices": []}]
             chunks += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
-        return chunks + [{"choices": [], "usage": REPORTED}]
+        usage = {"prompt_tokens": "many", "completion_tokens": None} if last == "bad usage" else REPORTED
+        return chunks + [{"choices": [], "usage": usage}]
 
     def answer(self, status, data, content_type, headers=None):
         self.send_response(status)
@@ -223,13 +264,15 @@ def llama_entry(url, **options):
 
 @pytest.fixture(scope="session")
 def front(live_service, vendor, watching, django_db_blocker):
-    """A second service that relays: "relayed" is the live service, "vendor" the stand-in,
+    """A second service that relays: "relayed" is the live service, "vendor" and "vendor-slow" the stand-in,
     "llama" and "llama-narrow" llama.cpp's server (one slot, so one request at a time), all
     beside the real model whose tokenizer they name."""
     models = {
         MODEL: {"source": GGUF},
         "relayed": {"source": "openai-compatible", "base_url": f"{live_service.url}/v1", "api_key_env": "TEST_UPSTREAM_KEY", "upstream_model": MODEL, "tokenizer": MODEL},
         "vendor": {"source": "openai-compatible", "base_url": vendor, "upstream_model": "gpt-4o", "tokenizer": "o200k_base", "timeout_seconds": 1},
+        # The same stand-in as another server, of one slot, whose silences are waited out.
+        "vendor-slow": {"source": "openai-compatible", "base_url": vendor.replace("/v1", "/slow/v1"), "upstream_model": "gpt-4o", "tokenizer": "o200k_base", "max_concurrent": 1},
         "llama": llama_entry(watching.url, max_concurrent=1, context_length=8192),
         "llama-narrow": llama_entry(watching.url, max_concurrent=1, context_length=64),  # a short prompt leaves about 20 tokens
     }  # fmt: skip

@@ -1,16 +1,18 @@
 """The worker's relay of an upstream model's stream into the request's log (what an upstream
 is sent and how it is counted: inference/upstream.py)."""
 
+import contextlib
 import json
 import logging
 import os
+import socket
 import threading
 import time
 
 import httpx
 
 from billing import ledger
-from inference import backends, lifecycle, streamlog
+from inference import backends, lifecycle, streamlog, upstream
 from inference.protocol.entries import Accepted, Delta, FinishReason, ToolArgs, ToolStart
 from inference.worker import slots
 
@@ -35,6 +37,7 @@ class Relay:
         self.started_at = self.first_token_at = None
         self.calls = set()
         self.stop = []
+        self.stop_reason = upstream.UNSAID  # vLLM's: the stop string that ended the reply, if one did
         self.limit = None  # our completion budget, where the upstream was given none
 
     def run(self, client, body, deadline, max_tokens):
@@ -51,9 +54,10 @@ class Relay:
         try:
             self.started_at = time.time()
             streamlog.leave_queue(client, self.model, self.request_id)
-            self.send(client, body, slot)
+            with CancelWatch(client, self.request_id, slot) as watch:
+                self.send(client, body, watch)
         finally:
-            slot.release()
+            release(slot)
 
     def unwanted(self, client, deadline):
         if client.exists(streamlog.key(self.request_id, "cancel")):
@@ -64,24 +68,34 @@ class Relay:
             return True
         return False
 
-    def send(self, client, body, slot):
+    def send(self, client, body, watch):
         url = self.backend.entry["base_url"].rstrip("/") + "/chat/completions"
         key = os.environ.get(self.backend.entry.get("api_key_env") or "", "")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
             timeout = httpx.Timeout(10.0, read=float(self.backend.entry.get("timeout_seconds", READ_TIMEOUT)))
-            with httpx.Client(timeout=timeout) as http, http.stream("POST", url, json=body, headers=headers) as response:
+            with httpx.Client(timeout=timeout) as http, http.stream("POST", url, json=body, headers=headers, extensions={"trace": watch.trace}) as response:
                 if response.status_code != 200:
                     return self.refused(response)
                 self.sent = True
                 streamlog.append(client, self.request_id, Accepted())
-                self.follow(client, response, slot)
+                self.read(client, response)
         except httpx.TimeoutException:
-            self.fail("the upstream did not answer in time", refusal=None if self.sent else gateway_refusal(504))
+            self.broken(watch, "the upstream did not answer in time", 504)
         except (httpx.HTTPError, httpx.StreamError) as exc:
-            self.fail(f"the upstream connection failed: {exc}", refusal=None if self.sent else gateway_refusal(502))
+            self.broken(watch, f"the upstream connection failed: {exc}", 502)
         if self.finish_reason is None:
-            self.fail("the upstream stream ended without a finish reason")
+            self.broken(watch, "the upstream stream ended without a finish reason")
+
+    def broken(self, watch, message, status=None):
+        """The answer ended early: cut by us because the client left, or a failure (before the
+        first byte, a gateway's status)."""
+        if watch.cancelled:
+            # The upstream read a request cut while it was silent (a prefill): its prompt is billed.
+            self.sent = self.sent or watch.delivered
+            self.finish_reason = FinishReason.CANCELLED
+            return
+        self.fail(message, refusal=gateway_refusal(status) if status and not self.sent else None)
 
     def refused(self, response):
         """The upstream refused before its first byte: its client is told the same status and
@@ -95,16 +109,6 @@ class Relay:
         param, code = error.get("param"), error.get("code")
         refusal = {"status": status, "type": kind, "param": param if isinstance(param, str) else None, "retry_after": response.headers.get("retry-after")}
         self.fail(message, code=str(code) if code is not None else None, refusal=refusal)
-
-    def follow(self, client, response, slot):
-        with CancelWatch(client, self.request_id, response, slot) as watch:
-            try:
-                self.read(client, response)
-            except Exception:
-                if not watch.cancelled:
-                    raise
-        if watch.cancelled:
-            self.finish_reason = FinishReason.CANCELLED
 
     def fail(self, message, code=None, refusal=None):
         self.finish_reason, self.error, self.code, self.refusal = FinishReason.ERROR, message, code, refusal
@@ -124,11 +128,13 @@ class Relay:
                 return
 
     def entries(self, chunk):
+        if not isinstance(chunk, dict):
+            return []  # not a chunk: nothing of the reply is in it
         self.vendor_id = self.vendor_id or str(chunk.get("id") or "")[:100]
         if chunk.get("usage"):
             self.vendor_usage = chunk["usage"]
-        if chunk.get("error"):
-            self.fail(f"the upstream failed: {chunk['error'].get('message', chunk['error'])}")
+        if error := chunk.get("error"):
+            self.fail(f"the upstream failed: {error.get('message', error) if isinstance(error, dict) else error}")
         found = []
         for choice in chunk.get("choices") or []:
             found += self.choice_entries(choice)
@@ -143,8 +149,9 @@ class Relay:
             found += self.call_entries(call)
         if found and self.first_token_at is None:
             self.first_token_at = time.time()
-        if choice.get("finish_reason"):
+        if choice.get("finish_reason") and self.finish_reason != FinishReason.ERROR:  # an error chunk came first
             reason = choice["finish_reason"]
+            self.stop_reason = choice.get("stop_reason", upstream.UNSAID)
             self.finish_reason = reason if reason in ledger.STATUS_OF_REASON else FinishReason.STOP
         return found
 
@@ -168,7 +175,7 @@ class Relay:
 
     def completion_tokens(self):
         """Our count of the whole reply (inference/upstream.py says how)."""
-        return self.backend.count_completion("".join(self.text + self.call_text), self.finish_reason, self.stop)
+        return self.backend.count_completion("".join(self.text + self.call_text), self.finish_reason, self.stop, self.stop_reason)
 
 
 def gateway_refusal(status):
@@ -189,15 +196,25 @@ def upstream_error(response):
     return error if isinstance(error, dict) else {}
 
 
-class CancelWatch:
-    """While the relay reads, check the request's cancel flag a few times a second and close
-    the upstream response when it is set: the upstream sees its client leave. It also keeps
-    the request's slot at the upstream."""
+def release(slot):
+    try:
+        slot.release()
+    except Exception:  # Redis away: the lease runs out by itself, and the request's outcome stands
+        log.warning("could not release the upstream slot of %s", slot.request_id, exc_info=True)
 
-    def __init__(self, client, request_id, response, slot):
-        self.client, self.request_id, self.response, self.slot = client, request_id, response, slot
+
+class CancelWatch:
+    """From before the request is sent until its answer ends: check the request's cancel flag a
+    few times a second and, when it is set, cut the upstream's connection, so the upstream sees
+    its client leave even while it is silent (a long prefill sends no byte). It also keeps the
+    request's slot at the upstream for as long."""
+
+    def __init__(self, client, request_id, slot):
+        self.client, self.request_id, self.slot = client, request_id, slot
         self.done = threading.Event()
         self.cancelled = False
+        self.delivered = False  # the whole request went out: the upstream has read its prompt
+        self.sockets = []
 
     def __enter__(self):
         threading.Thread(target=self.watch, daemon=True).start()
@@ -206,16 +223,27 @@ class CancelWatch:
     def __exit__(self, *exc):
         self.done.set()
 
+    def trace(self, event, info):
+        """httpx's trace hook: the connection's socket, to cut. A closed response or client
+        would not wake a read blocked on a silent upstream; a shut-down socket does."""
+        if event == "connection.connect_tcp.complete":
+            self.sockets.append(info["return_value"].get_extra_info("socket"))
+            if self.cancelled:
+                self.cut()
+        elif event.endswith("send_request_body.complete"):
+            self.delivered = True
+
     def watch(self):
         while not self.done.wait(CANCEL_CHECK_SECONDS):
-            self.renew()
-            if self.client.exists(streamlog.key(self.request_id, "cancel")):
-                self.cancelled = True
-                self.response.close()
-                return
+            try:
+                self.slot.renew()
+                if self.client.exists(streamlog.key(self.request_id, "cancel")):
+                    self.cancelled = True
+                    return self.cut()
+            except Exception:  # Redis away for a moment: the lease outlasts it, and the next check comes
+                log.warning("could not check on the upstream request %s", self.request_id, exc_info=True)
 
-    def renew(self):
-        try:
-            self.slot.renew()
-        except Exception:  # Redis away for a moment: the lease outlasts it
-            log.warning("could not renew the upstream slot of %s", self.request_id, exc_info=True)
+    def cut(self):
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):  # already closed
+                sock.shutdown(socket.SHUT_RDWR)

@@ -72,11 +72,21 @@ def relay_upstream(client, facts, body, max_tokens):
         relay.fail(f"the relay failed: {exc}")
     finally:
         counted_prompt = facts.prompt_tokens if relay.sent else 0  # a request the upstream never took costs nothing
-        prompt_tokens, completion_tokens, fields = upstream_billing(relay, counted_prompt, relay.completion_tokens())
+        prompt_tokens, completion_tokens, fields = upstream_billing(relay, counted_prompt, counted_completion(relay))
         outcome = lifecycle.Outcome(
             relay.finish_reason, prompt_tokens, completion_tokens, relay.error, relay.started_at, relay.first_token_at, time.time(), relay.code, relay.refusal
         )
         lifecycle.end(client, facts, outcome, [relay.finish_reason], **fields)
+
+
+def counted_completion(relay):
+    """Our count of the reply; should counting itself fail, the sum of its deltas' counts, so
+    the request still ends, billed, and its client is told."""
+    try:
+        return relay.completion_tokens()
+    except Exception:
+        log.exception("could not count the reply of %s", relay.request_id)
+        return relay.counted
 
 
 def relay(loop, requests, client, tools=False, gaps=None):
