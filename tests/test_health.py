@@ -51,13 +51,21 @@ def test_a_worker_that_stops_is_not_counted_for_the_rest_of_its_heartbeat(django
 def test_a_starting_worker_forgets_the_beats_of_this_hosts_dead_workers(redis_client):
     dead = subprocess.Popen(["true"])
     dead.wait()
+    alive = subprocess.Popen(["sleep", "60"])
     host = socket.gethostname()
-    beats = {f"{host}:{dead.pid}:0ld:cpu:m": "dead", f"{host}:{os.getpid()}:0ld:cpu:m": "alive", f"elsewhere:{dead.pid}:0ld:cpu:m": "other host"}
+    beats = {
+        f"{host}:{dead.pid}:0ld:cpu:m": "dead",
+        f"{host}:{os.getpid()}:0ld:cpu:m": "a restarted container's worker before this one, with the same pid",
+        f"{host}:{alive.pid}:0ld:cpu:m": "alive",
+        f"{host}:{os.getpid()}:{loops.BOOT}:cpu:m": "this process's own",
+        f"elsewhere:{dead.pid}:0ld:cpu:m": "other host",
+    }
     until = json.dumps({"model": "m", "until": time.time() + 60, "running": 0, "waiting": 0})
     redis_client.hset(streamlog.workers_key(), mapping={field: until for field in beats})
     try:
         forgotten = loops.forget_stopped_here(redis_client)
-        assert forgotten == [f"{host}:{dead.pid}:0ld:cpu:m"]
+        assert sorted(forgotten) == sorted([f"{host}:{dead.pid}:0ld:cpu:m", f"{host}:{os.getpid()}:0ld:cpu:m"])
         assert set(beats) - set(forgotten) <= set(streamlog.workers(redis_client))
     finally:
+        alive.kill()
         redis_client.hdel(streamlog.workers_key(), *beats)

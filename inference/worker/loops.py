@@ -42,12 +42,14 @@ def forget_own_beats(client):
 
 def forget_stopped_here(client):
     """At start-up: the beats of this host's worker processes that no longer run (one killed
-    before this one started) would keep /healthz answering 200 while this one loads."""
-    host = socket.gethostname()
+    before this one started) would keep /healthz answering 200 while this one loads. A
+    restarted container gives its new worker the pid of the old one: a beat with this
+    process's pid and another boot is the dead one's."""
+    host, own = socket.gethostname(), os.getpid()
 
     def gone(field):
         name, pid, boot = (field.split(":") + ["", "", ""])[:3]
-        return name == host and boot != BOOT and pid.isdigit() and not process_alive(int(pid))
+        return name == host and boot != BOOT and pid.isdigit() and (int(pid) == own or not process_alive(int(pid)))
 
     return streamlog.forget_workers(client, gone)
 
@@ -145,6 +147,8 @@ class EngineLoop(threading.Thread):
     def heartbeat(self):
         if not STOPPED.is_set() and time.monotonic() - self.last_beat >= settings.TOKSTREAM_WORKER_TTL / 3:
             streamlog.heartbeat(self.redis, self.worker_id, self.model.name, len(self.engine.running), len(self.engine.waiting))
+            if STOPPED.is_set():  # the shutdown removed the beats while this one was on its way
+                forget_own_beats(self.redis)
             self.last_beat = time.monotonic()
             self.report_drafts()
 
