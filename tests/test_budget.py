@@ -47,3 +47,10 @@ def test_the_budget_never_exceeds_what_waits():
 
 def test_drafts_cost_their_share_of_a_step():
     assert abs(measured().draft_share(1, 4) - 0.004 / 0.011) < 1e-6
+
+
+def test_one_slow_step_does_not_set_the_estimate():
+    cost, steady = measured(), measured()
+    cost.add(4, 0, 0.5)  # a step 30 times its usual time: a collection, another process
+    assert cost.draft_share(1, 4) < 1.5 * steady.draft_share(1, 4)
+    assert cost.decode.at(4) < 2.5 * steady.decode.at(4)

@@ -68,3 +68,16 @@ def test_a_seeded_sample_takes_no_drafts_so_its_neighbours_cannot_change_it(mode
     request, unseeded = speculated(model, chat(model, REPEAT), max_tokens=48, temperature=0.05)  # near greedy: it copies
     assert seeded["draft_tokens"] == 0
     assert unseeded["draft_tokens"] > 0 and len(request.output_ids) <= 48
+
+
+def test_a_request_tries_a_draft_even_where_the_estimate_says_drafts_do_not_pay(model):
+    """An estimate made in a bad moment (steps with drafts measured twenty times as slow) is
+    not left to keep drafts off: each request's first draft is verified, and measured."""
+    engine = real_engine(model)
+    for rows, seconds in ((1, 0.010), (5, 0.200), (1, 0.010), (5, 0.200)):
+        engine.step_cost.add(rows, 0, seconds)
+    assert engine.step_cost.draft_share(1, 4) > 4  # no draft could pay for that
+    request = Request("r", chat(model, REPEAT), SamplingParams(max_tokens=48, temperature=0))
+    engine.add(request)
+    run(engine)
+    assert request.draft_kept > 0

@@ -12,6 +12,10 @@ PREFILL_PER_DECODE = 2
 GAP_BOUND = 2.5  # a step with prompt tokens takes at most this many plain decode steps
 FULL_URGENCY_SECONDS = 0.5  # a prompt waiting this long gets the whole bound
 DECAY = 0.95  # the weight of earlier steps in the cost estimate: the machine's load changes
+# A step slower than this many times its expected time was slowed by something else (a garbage
+# collection, another process on the cores): it counts as this slow, so that one spike does not
+# set the estimate for the hundreds of steps it takes to decay.
+OUTLIER = 2.0
 
 
 class Line:
@@ -51,10 +55,11 @@ class StepCost:
         self.decode, self.prefill = Line(), Line()
 
     def add(self, decode_rows, prompt_tokens, seconds):
+        plain = self.decode.at(decode_rows)
         if not prompt_tokens:
-            self.decode.add(decode_rows, seconds)
-        elif (plain := self.decode.at(decode_rows)) is not None:
-            self.prefill.add(prompt_tokens, max(seconds - plain, 0.0))
+            self.decode.add(decode_rows, clipped(seconds, plain))
+        elif plain is not None:
+            self.prefill.add(prompt_tokens, clipped(max(seconds - plain, 0.0), self.prefill.at(prompt_tokens)))
 
     def tokens_within(self, bound, decoding):
         """Prompt tokens a step of `decoding` sequences can carry within `bound` plain steps."""
@@ -69,6 +74,10 @@ class StepCost:
         if usual is None or per_row is None:
             return None
         return per_row * drafts / usual
+
+
+def clipped(seconds, expected):
+    return seconds if expected is None else min(seconds, OUTLIER * expected)
 
 
 def prefill_budget(decoding, waiting_tokens, oldest_wait, cost, step_tokens, idle_chunk):

@@ -72,7 +72,12 @@ class Scheduler:
 
     def drafts_pay(self, request, decoding, size):
         """Tokens expected to be kept (from the request's own record, starting from one in
-        two) against how much longer the step gets, both from what was measured here."""
+        two) against how much longer the step gets, both from what was measured here. A
+        request's first draft is verified whatever the estimate: it starts the request's record,
+        and it keeps the steps with drafts measured, so an estimate made in a bad moment (while
+        no step had drafts to correct it) cannot keep drafts off for good."""
+        if not request.drafted:
+            return True
         share = self.step_cost.draft_share(decoding, size)
         rate = (request.draft_kept + 1) / (request.drafted + 2)
         return share is None or sum(rate**i for i in range(1, size + 1)) > share
