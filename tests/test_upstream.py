@@ -26,11 +26,11 @@ def upstream_key(transactional_db):
     ApiKey.objects.create(name="upstream", prefix=UPSTREAM_KEY[:12], key_hash=hash_key(UPSTREAM_KEY))
 
 
-def stream(service, api_key, body):
+def stream(service, api_key, body, on_comment=None):
     url = f"{service.url}/v1/chat/completions"
     with httpx.stream("POST", url, json={**body, "stream": True, "stream_options": {"include_usage": True}}, headers=auth(api_key), timeout=120) as response:
         assert response.status_code == 200, response.read()
-        return list(events(response))
+        return list(events(response, on_comment))
 
 
 def test_a_relayed_stream_arrives_as_a_local_one_and_both_counts_agree(front, live_service, api_key, upstream_key):
@@ -162,19 +162,26 @@ def test_a_client_that_leaves_while_the_upstream_is_silent_cuts_the_upstream_con
     assert entry.prompt_tokens == entry.counted_prompt_tokens > 0 and entry.completion_tokens == 0
 
 
-def test_an_upstream_silent_for_longer_than_a_slot_lease_keeps_its_one_slot(front, api_key):
+def test_a_request_waiting_for_a_one_slot_upstream_gets_keep_alives_and_the_slot_outlasts_its_lease(front, api_key):
     """The first request's upstream says nothing for longer than a slot's lease (as shipped): the
-    lease is renewed while the relay waits for the answer, so the second request is not sent
-    to the one-slot server meanwhile."""
+    lease is renewed while the relay waits for the answer, so the second request, which waits
+    in our queue meanwhile with its stream open and keep-alives (every 15 s, as shipped), is not
+    sent to the one-slot server before the first is done."""
     VendorStandIn.most_in_flight = VendorStandIn.in_flight
     first = threading.Thread(target=stream, args=(front, api_key, chat_body(f"silent {slots.LEASE_SECONDS + 3}", model="vendor-slow")))
     first.start()
     try:
         eventually(lambda: VendorStandIn.in_flight == 1, 10, message="the first request never reached the upstream")
-        second = [data for _, data in stream(front, api_key, chat_body("Say hello.", model="vendor-slow"))]
+        comments = []
+        second = [
+            data
+            for _, data in stream(front, api_key, chat_body("Say hello.", model="vendor-slow"), on_comment=lambda: comments.append(VendorStandIn.in_flight))
+        ]
     finally:
         first.join()
-    assert content_of(second[:-1]) == "Hello there" and VendorStandIn.most_in_flight == 1
+    assert content_of(second[:-1]) == "Hello there" and second[0]["tokstream"]["queue_position"] == 0
+    assert len(comments) >= 2 and set(comments) == {1}  # keep-alives while only the first was at the upstream
+    assert VendorStandIn.most_in_flight == 1
 
 
 def test_an_error_chunk_before_the_finish_reason_fails_the_request(front, api_key):

@@ -180,27 +180,6 @@ def test_one_slot_upstream_is_sent_one_request_at_a_time_and_none_is_interrupted
     assert {e.status for e in UsageEntry.objects.all()} <= {"completed", "length"}
 
 
-def test_a_request_waiting_for_the_slot_gets_its_position_and_keep_alives(front, watched, api_key):
-    """The first request holds the one slot for longer than the keep-alive interval (15 s,
-    as shipped): the second waits in our queue, its stream open, and is never sent meanwhile."""
-    essay = llama_body({"content": "Write a 2000-word essay about the history of tea."}, max_tokens=600)  # about 20 s of llama.cpp's time
-    long_one = threading.Thread(target=stream, args=(front, api_key, essay))
-    long_one.start()
-    try:
-        wait_for_slot_taken(watched)
-        comments = []
-        status, streamed = stream(front, api_key, llama_body({"content": "Say hi."}, max_tokens=8), on_comment=lambda: comments.append(len(watched.bodies)))
-    finally:
-        long_one.join()
-    assert status == 200 and streamed[0]["tokstream"]["queue_position"] == 0
-    assert comments and comments[0] == 1  # a keep-alive came while only the first was sent
-    assert watched.most_in_flight == 1
-
-
-def wait_for_slot_taken(watched):
-    eventually(lambda: watched.in_flight == 1, 30, message="the first request never reached llama.cpp")
-
-
 def test_cancelling_closes_the_upstream_request(front, watched, api_key):
     body = {**llama_body({"content": "Write a very long story about a lighthouse keeper."}, max_tokens=400), "stream": True}
     with httpx.stream("POST", f"{front.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=120) as response:
