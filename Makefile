@@ -13,7 +13,8 @@ $(INSTALLED): requirements.txt requirements-model.txt
 	$(PY) -m pip install --quiet --no-deps -r requirements-model.txt
 	touch $@
 
-# The page's marked and DOMPurify come from npm at set-up time; static/vendor/ is git-ignored.
+# The page's marked, DOMPurify and highlight.js (its prebuilt browser script, and a light and a
+# dark theme) come from npm at set-up time; static/vendor/ is git-ignored.
 VENDOR := static/vendor/.installed
 $(VENDOR): package.json package-lock.json
 	@command -v npm >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm; } \
@@ -21,6 +22,8 @@ $(VENDOR): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	mkdir -p static/vendor
 	cp node_modules/marked/lib/marked.umd.js node_modules/dompurify/dist/purify.min.js static/vendor/
+	cp node_modules/@highlightjs/cdn-assets/highlight.min.js static/vendor/
+	cp node_modules/@highlightjs/cdn-assets/styles/github.min.css node_modules/@highlightjs/cdn-assets/styles/github-dark.min.css static/vendor/
 	touch $@
 
 install: $(INSTALLED) $(VENDOR)

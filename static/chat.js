@@ -326,7 +326,7 @@ class Reply {
     this.segment.finish();
     this.tools.complete();
     if (problem) this.node.querySelector(".body").append(element("p", "error-text", `Error: ${problem}`));
-    this.node.dataset.text = this.received;
+    markEnded(this.node, this.received);
     this.node.dataset.finishReason = this.finishReason || "";
     state.reply = null;
     setBusy(false);
@@ -345,7 +345,7 @@ class Reply {
         showNumbers(this.node, saved.usage);
         showBarNumbers(saved.usage);
       }
-      addRegenerate();
+      addReplyActions();
     } catch (error) {
       this.node.querySelector(".meta").textContent = `Usage could not be read: ${error.message}`;
     }
@@ -391,7 +391,7 @@ async function renameChat() {
     for (const link of document.querySelectorAll(`#chat-list a[href="${chat.url}"]`)) link.textContent = chat.title;
     document.title = `${chat.title} · tokstream`;
   } catch (error) {
-    setStatus(`Not renamed: ${error.message}`);
+    showError(`Not renamed: ${error.message}`, renameChat);
   }
 }
 
@@ -401,7 +401,7 @@ async function deleteChat() {
     await post(`/api/chats/${state.chat.id}/delete`, {});
     window.location.assign("/");
   } catch (error) {
-    setStatus(`Not deleted: ${error.message}`);
+    showError(`Not deleted: ${error.message}`, deleteChat);
   }
 }
 
@@ -417,41 +417,59 @@ function rememberChat(chat) {
   $("system-prompt").disabled = true;
 }
 
+// Sends the composer's message: a new one, or the last one edited (which replaces it and its reply).
 async function send() {
   const content = prompt.value.trim();
   if (!content || state.reply || state.sending) return;
   const problem = checkTools();
-  if (problem) return setStatus(problem);
+  if (problem) return showError(problem, send);
   state.sending = true;
   state.stopRequested = false;
-  removeRegenerate();
+  hideError();
+  removeReplyActions();
   resetNumbers();
   const sentAt = performance.now();
+  const edited = state.editing;
   const userNode = addUserTurn({ content });
   jumpToLatest();
   setStatus("sending");
-  const url = state.chat.id ? `/api/chats/${state.chat.id}/messages` : "/api/chats/messages";
   try {
-    const answer = await post(url, { content, system_prompt: $("system-prompt").value, ...parameters() });
+    const answer = await post(sendUrl(edited), { content, system_prompt: $("system-prompt").value, ...parameters() });
     prompt.value = "";
     countAsked++;
     $("prompt-count").textContent = "";
+    if (edited) removeTurns(edited, userNode);
+    stopEditing();
     userNode.dataset.turnId = answer.turns[0].id;
     rememberChat(answer.chat);
     startReply(answer, sentAt);
   } catch (error) {
     userNode.remove();
-    setStatus(`Not sent: ${error.message}`);
+    failed(edited ? "Not edited" : "Not sent", error, send);
   } finally {
     state.sending = false;
   }
+}
+
+function sendUrl(edited) {
+  if (edited) return `/api/chats/${state.chat.id}/edit`;
+  return state.chat.id ? `/api/chats/${state.chat.id}/messages` : "/api/chats/messages";
+}
+
+// A send or regenerate the server refused: the reason in the alert, with a Retry of the same
+// action, and the conversation's own actions back as they were.
+function failed(what, error, retry) {
+  setStatus("");
+  addReplyActions();
+  showError(`${what}: ${error.message}`, retry);
 }
 
 async function regenerate() {
   if (state.reply || state.sending) return;
   state.sending = true;
   const last = log.querySelector(".turn.assistant:last-of-type");
-  removeRegenerate();
+  hideError();
+  removeReplyActions();
   resetNumbers();
   const sentAt = performance.now();
   try {
@@ -459,20 +477,22 @@ async function regenerate() {
     last?.remove();
     startReply(answer, sentAt);
   } catch (error) {
-    addRegenerate();
-    setStatus(`Not regenerated: ${error.message}`);
+    failed("Not regenerated", error, regenerate);
   } finally {
     state.sending = false;
   }
 }
 
-// The last reply's actions: Regenerate, and Continue where it was cut at the token limit.
-function addRegenerate() {
-  removeRegenerate();
+// The conversation's actions, on its last turns: Edit on the last message; Regenerate on the
+// last reply, and Continue where it was cut at the token limit.
+function addReplyActions() {
+  removeReplyActions();
   const last = log.lastElementChild;
   if (!last || !last.classList.contains("assistant")) return;
   last.append(actionButton("regenerate", "Regenerate", regenerate));
   if (last.dataset.ending === "length") last.append(actionButton("continue", "Continue", continueReply));
+  const asked = last.previousElementSibling;
+  if (asked?.classList.contains("user")) asked.append(actionButton("edit", "Edit", () => startEditing(asked)));
 }
 
 function actionButton(className, label, action) {
@@ -483,12 +503,92 @@ function actionButton(className, label, action) {
 }
 
 function continueReply() {
+  stopEditing();
   prompt.value = "Continue.";
   send();
 }
 
-function removeRegenerate() {
+function removeReplyActions() {
   for (const button of log.querySelectorAll(".reply-action")) button.remove();
+}
+
+// -- edit and resend the last message ----------------------------------------------------------
+
+function startEditing(turn) {
+  state.editing = turn;
+  prompt.value = turn.querySelector(".body").textContent;
+  $("editing").hidden = false;
+  prompt.focus();
+  countSoon();
+}
+
+function stopEditing() {
+  state.editing = null;
+  $("editing").hidden = true;
+}
+
+function cancelEditing() {
+  stopEditing();
+  prompt.value = "";
+  $("prompt-count").textContent = "";
+}
+
+// The edited message and its reply leave the page as they left the chat; `until` is their successor.
+function removeTurns(first, until) {
+  for (let node = first; node && node !== until; ) {
+    const next = node.nextElementSibling;
+    node.remove();
+    node = next;
+  }
+}
+
+// -- errors, where they are seen ---------------------------------------------------------------
+
+function showError(message, retry) {
+  state.retry = retry || null;
+  $("alert-text").textContent = message;
+  $("retry").hidden = !retry;
+  $("alert").hidden = false;
+}
+
+function hideError() {
+  state.retry = null;
+  $("alert").hidden = true;
+}
+
+function retry() {
+  const action = state.retry;
+  hideError();
+  action?.();
+}
+
+// -- copying a reply's markdown, or a code block's code ---------------------------------------
+
+const COPIED_MS = 1500; // how long a button says "Copied"
+
+// A reply that ended keeps its source text, for Copy.
+function markEnded(node, text) {
+  node.dataset.text = text;
+  if (node.querySelector(".copy-reply")) return;
+  const button = element("button", "copy-reply link", "Copy");
+  button.type = "button";
+  button.setAttribute("aria-label", "Copy the reply's markdown");
+  node.querySelector(".meta").after(button);
+}
+
+function copiedText(button) {
+  if (button.classList.contains("copy-reply")) return button.closest(".turn").dataset.text;
+  return button.closest(".code-block").querySelector("code").textContent;
+}
+
+async function copy(button) {
+  try {
+    await navigator.clipboard.writeText(copiedText(button));
+  } catch (error) {
+    return showError(`Not copied: ${error.message}`);
+  }
+  button.textContent = "Copied";
+  setTimeout(() => (button.textContent = "Copy"), COPIED_MS);
 }
 
 // Stop cancels on the server; the reply keeps what was written and ends with "cancelled".
@@ -559,7 +659,7 @@ function showSavedTurns(turns) {
     }
     showSavedReply(node, turn);
   }
-  if (!state.reply) addRegenerate();
+  if (!state.reply) addReplyActions();
   jumpToLatest();
 }
 
@@ -574,14 +674,15 @@ function showSavedReply(node, turn) {
   appendRendered(body, turn.content.slice(offset));
   if (turn.tool_calls.length) showSavedCalls(node, turn.tool_calls);
   if (turn.error) body.append(element("p", "error-text", `Error: ${turn.error}`));
-  node.dataset.text = turn.content;
+  markEnded(node, turn.content);
   node.dataset.finishReason = turn.finish_reason;
   if (turn.usage) showNumbers(node, turn.usage);
 }
 
+// As a streamed reply ends up (StreamingMarkdown.finish): one .md per part between steering marks.
 function appendRendered(body, text) {
   const container = element("div", "md");
-  container.append(renderMarkdown(text));
+  container.append(renderBlock(text));
   body.append(container);
 }
 
@@ -626,10 +727,17 @@ document.addEventListener("keydown", (event) => {
   else stop();
 });
 $("stop").addEventListener("click", stop);
+$("retry").addEventListener("click", retry);
+$("dismiss").addEventListener("click", hideError);
+$("cancel-edit").addEventListener("click", cancelEditing);
+log.addEventListener("click", (event) => {
+  const button = event.target.closest(".copy-code, .copy-reply");
+  if (button) copy(button);
+});
 $("jump").addEventListener("click", jumpToLatest);
 log.addEventListener("scroll", onScroll, { passive: true });
 
 showSettings(state.chat.settings);
 showSavedTurns(JSON.parse($("turns-data").textContent));
 // Compile the renderer's code paths while idle, so a reply's first paint does not pay for it.
-requestIdleCallback(() => renderMarkdown("*a* **b** `c` [d](https://e)\n\n- f\n\n```\ng\n```"));
+requestIdleCallback(() => renderBlock("*a* **b** `c` [d](https://e)\n\n- f\n\n```python\ng = 1\n```"));

@@ -1,6 +1,9 @@
 // Streaming markdown: completed blocks are rendered once and frozen; only the growing tail is
-// rendered again, with its half-open markers closed so they never show raw. Everything goes
-// through DOMPurify, and HTML written by the model is shown as text.
+// rendered again, with its half-open markers closed and its half-arrived table rows and
+// reference labels held back, so they never show raw. When the reply ends it is rendered whole
+// by renderBlock, the same function that shows a saved reply: what streamed and what a reload
+// shows are one DOM. Everything goes through DOMPurify, and HTML written by the model is shown
+// as text.
 "use strict";
 
 const SAFE_URL = /^(?:https?:|mailto:|#)/i;
@@ -139,11 +142,79 @@ function closeOpen(tail) {
   return `${code}\n${fence}`;
 }
 
-function frozenBlock(markdown) {
-  const block = document.createElement("div");
-  block.className = "md-block";
-  block.append(renderMarkdown(markdown));
-  return block;
+// A block as it stays (frozen, or a whole reply once ended): rendered, its code highlighted,
+// and each code block given a Copy button. The tail is never highlighted: it changes every frame.
+function renderBlock(text) {
+  return withCopyButtons(highlightCode(renderMarkdown(text)));
+}
+
+// highlight.js writes HTML; it goes through DOMPurify like everything else (spans and classes).
+function highlightCode(fragment) {
+  for (const code of fragment.querySelectorAll("pre > code[class*='language-']")) {
+    const language = code.className.match(/language-(\S+)/)[1];
+    if (!hljs.getLanguage(language)) continue;
+    const html = hljs.highlight(code.textContent, { language, ignoreIllegals: true }).value;
+    code.replaceChildren(DOMPurify.sanitize(html, { RETURN_DOM_FRAGMENT: true, ALLOWED_TAGS: ["span"], ALLOWED_ATTR: ["class"] }));
+  }
+  return fragment;
+}
+
+// Added after sanitizing (the model's own markup may hold no button); chat.js handles the clicks.
+function withCopyButtons(fragment) {
+  for (const pre of fragment.querySelectorAll("pre")) {
+    const block = document.createElement("div");
+    block.className = "code-block";
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "copy-code";
+    button.textContent = "Copy";
+    button.setAttribute("aria-label", "Copy the code");
+    pre.replaceWith(block);
+    block.append(pre, button);
+  }
+  return fragment;
+}
+
+// -- reference definitions: "[label]: url" may come after the "[text][label]" that uses it -----
+
+const DEFINITION = /^ {0,3}\[[^\]\n]+\]:[ \t]*\S/;
+const DEFINITION_START = /^ {0,3}\[[^\]\n]*(?:\]:?)?[ \t]*$/; // "[lab", "[label]:": a definition, or not yet known
+
+// The text's reference definitions outside code fences, one a line.
+function definitions(text) {
+  let fence = null;
+  const found = [];
+  for (const line of text.split("\n")) {
+    if (fence) {
+      if (closesFence(line, fence)) fence = null;
+    } else if (line.match(FENCE)) fence = line.match(FENCE)[1];
+    else if (DEFINITION.test(line)) found.push(line.trim());
+  }
+  return found.join("\n");
+}
+
+// A piece rendered apart from the rest still resolves the links whose definitions are elsewhere.
+function withDefinitions(markdown, known) {
+  return known && markdown.includes("[") ? `${markdown}\n\n${known}` : markdown;
+}
+
+// -- what the tail holds back until the next line tells what it is ------------------------------
+
+function hasPipe(line) {
+  return line.replace(/`[^`]*`/g, "").replace(/`.*$/, "").includes("|");
+}
+
+// A row still arriving, or a line with a pipe whose next line may make it a table's header (the
+// delimiter row "| --- |" comes next), would flash raw as a paragraph of pipes; so would a
+// reference definition's label before its address. They wait for the next line.
+function withoutPending(tail) {
+  if (fences(tail).fence) return tail;
+  const lines = tail.split("\n");
+  const [before, previous, last] = ["", "", ...lines].slice(-3);
+  let held = hasPipe(last) || DEFINITION_START.test(last) ? 1 : 0;
+  const mayBeDelimiter = held || /^[\s|:-]*$/.test(last);
+  if (mayBeDelimiter && hasPipe(previous) && !hasPipe(before)) held = 2; // a header: shown once its delimiter row is whole
+  return held ? lines.slice(0, lines.length - held).join("\n") : tail;
 }
 
 class StreamingMarkdown {
@@ -151,6 +222,9 @@ class StreamingMarkdown {
     this.container = container;
     this.text = "";
     this.frozen = 0; // characters of this.text already rendered into frozen blocks
+    this.defined = ""; // the reference definitions of the frozen text
+    this.known = ""; // the definitions the frozen blocks were rendered with
+    this.linking = []; // frozen blocks with brackets: rendered again when a definition arrives
     this.tail = document.createElement("div");
     this.tail.className = "md-tail";
     container.append(this.tail);
@@ -163,27 +237,47 @@ class StreamingMarkdown {
   // Called at most once per frame: freeze what completed, re-render only the tail.
   render() {
     const done = this.frozen + completedLength(this.text.slice(this.frozen)); // a freeze is never inside a fence
-    if (done > this.frozen) {
-      const piece = this.text.slice(this.frozen, done);
-      if (piece.trim()) this.tail.before(frozenBlock(piece));
-      this.frozen = done;
-    }
-    this.renderTail(this.text.slice(this.frozen));
+    const piece = this.text.slice(this.frozen, done);
+    this.frozen = done;
+    this.defined = [this.defined, definitions(piece)].filter(Boolean).join("\n");
+    const tail = this.text.slice(done);
+    this.relink([this.defined, definitions(tail)].filter(Boolean).join("\n"));
+    if (piece.trim()) this.freeze(piece);
+    this.renderTail(tail);
+  }
+
+  freeze(piece) {
+    const block = document.createElement("div");
+    block.className = "md-block";
+    block.append(renderBlock(withDefinitions(piece, this.known)));
+    this.tail.before(block);
+    if (piece.includes("[")) this.linking.push({ block, piece });
+  }
+
+  // A definition arrived: the frozen blocks that may use it are rendered again with it (rare:
+  // once per definition, and only blocks with brackets).
+  relink(known) {
+    if (known === this.known) return;
+    this.known = known;
+    this.tailText = null;
+    for (const { block, piece } of this.linking) block.replaceChildren(renderBlock(withDefinitions(piece, known)));
   }
 
   renderTail(tail) {
     if (tail === this.tailText) return;
     this.tailText = tail;
-    this.tail.replaceChildren(renderMarkdown(closeOpen(tail)));
+    this.tail.replaceChildren(renderMarkdown(withDefinitions(closeOpen(withoutPending(tail)), this.known)));
   }
 
-  // The reply ended: everything is final.
+  // The reply ended: it is rendered whole, as a saved reply is (once per reply).
   finish() {
     this.tailText = null;
-    this.tail.replaceChildren(renderMarkdown(this.text.slice(this.frozen)));
+    this.container.replaceChildren(renderBlock(this.text));
   }
 }
 
 window.StreamingMarkdown = StreamingMarkdown;
 window.renderMarkdown = renderMarkdown;
+window.renderBlock = renderBlock;
 window.closeOpen = closeOpen;
+window.withoutPending = withoutPending;

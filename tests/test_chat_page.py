@@ -21,7 +21,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 REPLY = ".turn.assistant:last-of-type"
 LONG_STORY = "Write a very long story about a lighthouse keeper."
 
-# Every animation frame: the reply's visible text, and the first frozen block once it exists.
+# Every animation frame: the reply's visible text; the first frozen block once it exists, and
+# whether it or its content was ever made anew while the reply streamed.
 WATCH_REPLY = """() => {
   window.__frames = [];
   window.__args = [];
@@ -29,7 +30,8 @@ WATCH_REPLY = """() => {
     const reply = document.querySelector('.turn.assistant:last-of-type .body');
     if (reply) window.__frames.push(reply.textContent);
     const block = document.querySelector(".turn.assistant:last-of-type .md-block");
-    if (block && !window.__firstBlock) window.__firstBlock = block;
+    if (block && !window.__firstBlock) [window.__firstBlock, window.__firstContent] = [block, block.firstElementChild];
+    if (block && (block !== window.__firstBlock || block.firstElementChild !== window.__firstContent)) window.__redone = true;
     const args = document.querySelector('.tool-args');
     if (args) window.__args.push(args.textContent);
     requestAnimationFrame(sample);
@@ -190,9 +192,11 @@ def test_streamed_markdown_never_shows_raw_markers_and_finished_blocks_are_left_
     assert shown_raw == []
     assert page.text_content(f"{REPLY} strong") == "bold words inside"
     assert page.text_content(f"{REPLY} pre code") == "def double(x):\n    return x * 2\n"
-    # The first paragraph's node, frozen at its blank line, is still the one on the page.
-    assert page.evaluate("window.__firstBlock.isConnected && window.__firstBlock === document.querySelector('.md-block')")
+    # The first paragraph, frozen at its blank line, was never rendered again while the reply
+    # streamed; once it ended the reply was rendered whole, as a reload renders it.
     assert page.evaluate("window.__firstBlock.textContent") == "An opening line with bold words inside it.\n"
+    assert page.evaluate("window.__redone") is None
+    assert page.locator(f"{REPLY} .md-block, {REPLY} .md-tail").count() == 0
     assert browser.errors == []
 
 

@@ -5,6 +5,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 
+from billing.models import UsageEntry
 from inference import streamlog
 from inference.chat import conversations as chats
 from inference.models import Chat, Turn
@@ -140,3 +141,37 @@ def test_the_endpoints_answer_a_stranger_and_a_wrong_method_in_the_error_shape(c
     not_a_chat = client.post("/api/chats/count", {"chat": "x", "content": "hi", "model": MODEL}, content_type="application/json")
     assert not_a_chat.status_code == 404
     assert_error(not_a_chat.json(), param="chat")
+
+
+def test_editing_the_last_message_replaces_it_and_its_reply_and_the_ledger_keeps_every_entry(client, live_service):
+    first = post(client, "/api/chats/messages", 200, content="First question", model="echo")
+    chat_id = first["chat"]["id"]
+    wait_until_settled(Turn.objects.get(pk=first["turns"][1]["id"]))
+    second = post(client, f"/api/chats/{chat_id}/messages", 200, content="Second question", model="echo")
+    wait_until_settled(Turn.objects.get(pk=second["turns"][1]["id"]))
+    edited = post(client, f"/api/chats/{chat_id}/edit", 200, content="Second, edited", model="echo", temperature=0.5)
+    assert [t["role"] for t in edited["turns"]] == ["user", "assistant"] and edited["events_url"]
+    reply = wait_until_settled(Turn.objects.get(pk=edited["turns"][1]["id"]))
+    assert reply.content == "Second, edited"
+    chat = Chat.objects.get(pk=chat_id)
+    assert [t.content for t in chat.turns.all()] == ["First question", "First question", "Second, edited", "Second, edited"]
+    assert chat.settings == {"model": "echo", "temperature": 0.5}
+    requests = [first["request_id"], second["request_id"], edited["request_id"]]
+    eventually(lambda: UsageEntry.objects.filter(request_id__in=requests).count() == 3, 15, message="the three replies' ledger entries")
+    assert not Turn.objects.filter(request_id=second["request_id"]).exists()
+
+
+def test_an_edit_is_refused_in_the_error_shape_and_changes_nothing(client, user, live_service):
+    empty = Chat.objects.create(user=user, title="empty")
+    assert_error(post(client, f"/api/chats/{empty.pk}/edit", 409, content="hi", model="echo"), code="nothing_to_edit")
+    first = post(client, "/api/chats/messages", 200, content="word " * 200, model="echo")
+    chat_id = first["chat"]["id"]
+    assert_error(post(client, f"/api/chats/{chat_id}/edit", 409, content="hi", model="echo"), code="reply_in_progress")
+    wait_until_settled(Turn.objects.get(pk=first["turns"][1]["id"]))
+    assert_error(post(client, f"/api/chats/{chat_id}/edit", 400, content="  ", model="echo"), param="content")
+    assert_error(post(client, f"/api/chats/{chat_id}/edit", 400, content="hi", model="echo", temperature=5), param="temperature")
+    assert_error(post(client, f"/api/chats/{chat_id}/edit", 404, content="hi", model="no-such-model"), param="model", code="model_not_found")
+    other = get_user_model().objects.create_user("other", password="pw")
+    theirs = Chat.objects.create(user=other, title="theirs")
+    assert_error(post(client, f"/api/chats/{theirs.pk}/edit", 404, content="hi", model="echo"), param="chat")
+    assert [t.content for t in Turn.objects.filter(chat_id=chat_id)] == ["word " * 200, "word " * 200]

@@ -22,11 +22,11 @@ LOST = "The reply's text had expired from the stream log before it was saved."
 GONE = "The reply was lost: its request is known neither to the stream log nor to the ledger."
 
 
-def messages_of(chat, new_user_text=None):
-    """The conversation as the model reads it: replies that produced no text (a stop before
-    the first token, a failure) are left out."""
+def messages_of(chat, new_user_text=None, turns=None):
+    """The conversation as the model reads it (`turns`: the chat's, unless given): replies that
+    produced no text (a stop before the first token, a failure) are left out."""
     messages = [{"role": "system", "content": chat.system_prompt}] if chat.system_prompt else []
-    for turn in chat.turns.all() if chat.pk else []:
+    for turn in (chat.turns.all() if chat.pk else []) if turns is None else turns:
         if turn.role == Turn.USER or turn.content:
             messages.append({"role": turn.role, "content": turn.content})
     if new_user_text is not None:
@@ -118,6 +118,24 @@ def regenerate(user, chat, body):
             reply = Turn.objects.create(chat=chat, role=Turn.ASSISTANT, request_id=admitted.request_id, model=model)
             keep_settings(chat, body)
     return chat, [reply], admitted
+
+
+def edit_last(user, chat, body):
+    """The last user message replaced by `content`, with a new reply to it: the old message and
+    its reply leave the chat (their ledger entries stay, as every entry does)."""
+    content = checked_text(body.get("content"), "content")
+    with transaction.atomic():
+        chat = locked_idle(chat)
+        asked = chat.turns.filter(role=Turn.USER).last()
+        if asked is None:
+            raise ApiError(409, "There is no message to edit.", code="nothing_to_edit")
+        model, admitted = ask(user, chat, messages_of(chat, content, chat.turns.filter(pk__lt=asked.pk)), body)
+        with undo_on_failure(admitted.request_id), transaction.atomic():
+            chat.turns.filter(pk__gte=asked.pk).delete()
+            user_turn = Turn.objects.create(chat=chat, role=Turn.USER, content=content)
+            reply = Turn.objects.create(chat=chat, role=Turn.ASSISTANT, request_id=admitted.request_id, model=model)
+            keep_settings(chat, body)
+    return chat, [user_turn, reply], admitted
 
 
 def locked_idle(chat):

@@ -11,6 +11,7 @@ urlpatterns = [
     path("api/chats/<int:chat_id>", views.chat_detail, name="chat-detail"),
     path("api/chats/<int:chat_id>/messages", views.message_create, name="chat-message"),
     path("api/chats/<int:chat_id>/regenerate", views.reply_regenerate, name="chat-regenerate"),
+    path("api/chats/<int:chat_id>/edit", views.message_edit, name="chat-edit"),
     path("api/chats/<int:chat_id>/rename", views.chat_rename, name="chat-rename"),
     path("api/chats/<int:chat_id>/delete", views.chat_delete, name="chat-delete"),
     path("api/chat/completions", views.chat_create, name="chat-create"),

@@ -135,6 +135,12 @@ def reply_regenerate(request, chat_id):
 
 
 @session_api("POST")
+def message_edit(request, chat_id):
+    """The last user message, edited and sent again: it and its reply are replaced."""
+    return reply_json(*chats.edit_last(request.user, owned_chat(request.user, chat_id), json_body(request)))
+
+
+@session_api("POST")
 def chat_create(request):
     """A bare completion for the signed-in user (no chat kept): same checks and queue as the API."""
     admitted = admit(chat_request.parse(request.body, request.content_type), Owner(user_id=request.user.pk))
