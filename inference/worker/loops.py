@@ -167,13 +167,15 @@ class EngineLoop(threading.Thread):
             self.claimed &= set(live)
             claimed = list(self.claimed)
         cancelled, steering, states = streamlog.signals_among(self.redis, live)
-        for request_id in cancelled:
-            self.engine.cancel(request_id)
         for request_id in claimed:
             if states.get(request_id) != f"running {self.worker_id}":
                 # Ended by a reader that thought this worker dead, or lost with Redis: nobody
-                # reads on, and another ending is already written or on its way.
+                # reads on, and another ending is already written or on its way. Told first
+                # (the first reason given stands): a client told of the loss leaves, and its
+                # leaving sets a cancel flag, but the request failed.
                 self.engine.cancel(request_id, error=LOST_CLAIM)
+        for request_id in cancelled:
+            self.engine.cancel(request_id)
         for request_id, texts in steering.items():
             for text in texts:
                 self.engine.steer(request_id, text)
