@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
+from django.contrib.auth.models import Permission
 from django.utils import timezone
 
 from billing import export, ledger
@@ -116,24 +117,33 @@ def test_the_usage_chart_draws_the_rest_daily_totals(admin_client):
     assert f"<title>a {daily[0]['day']}: {float(daily[0]['cost']):g}</title>" in charts["USD"] and "<title>b " not in charts["USD"]
 
 
-def test_money_is_totalled_per_currency_to_its_minor_unit_and_unpriced_entries_are_counted(admin_client):
-    """Entries in two currencies and some unpriced: a total per currency (never one sum), the
-    unpriced counted beside them, and a cost chart per currency."""
+def test_finance_sees_money_totalled_per_currency_with_the_unpriced_counted_and_a_chart_per_currency(new_page, live_service, django_user_model):
+    """Entries in two currencies and some unpriced, in the browser: a total per currency (never
+    one sum) to its minor unit, the unpriced counted beside them, and a cost chart per currency."""
     prices = dict(input_per_million=Decimal(1000), cached_input_per_million=Decimal(1000), output_per_million=Decimal(2000))
     PriceSheet.objects.create(model="usd", effective_from=ledger.as_datetime(0), currency="USD", **prices)
     PriceSheet.objects.create(model="eur", effective_from=ledger.as_datetime(0), currency="EUR", **prices)
     entries(2, "usd")  # 10 prompt + 0 or 1 completion each: 0.010 + 0.012 USD
     entries(1, "eur")  # 0.010 EUR
     entries(3, "free")
-    page = " ".join(admin_client.get(CHANGELIST).content.decode().split())
-    assert "6 entries: 60 prompt + 4 completion tokens." in page
-    assert 'Cost: <span class="cost">0.01 EUR (1 entry)</span> · <span class="cost">0.02 USD (2 entries)</span>' in page
-    assert "3 entries have no price (30 prompt + 3 completion tokens)" in page  # the free ones: 0 + 1 + 2 completion
-    usage = admin_client.get(f"{CHANGELIST}usage/")
-    assert [currency for currency, _ in usage.context["cost_charts"]] == ["EUR", "USD"]
-    eur = dict(usage.context["cost_charts"])["EUR"]
-    assert "Cost per day (EUR)" in eur and "<title>eur " in eur and "<title>usd " not in eur
-    assert 'class="tick">0.01</text>' in eur  # a y-axis in the currency's amounts
+    today = timezone.now().date().isoformat()
+    finance = django_user_model.objects.create_user("staff", password="pw-for-tests-only", is_staff=True)
+    finance.user_permissions.add(Permission.objects.get(codename="view_usageentry"))  # a reviewer: read, never write
+    page = sign_in(new_page, live_service, "staff")
+    page.wait_for_selector(".cost-chart svg")
+    assert [chart.get_attribute("data-currency") for chart in page.locator(".cost-chart").all()] == ["EUR", "USD"]
+    for currency, model, cost in (("EUR", "eur", "0.01"), ("USD", "usd", "0.022")):
+        chart = page.locator(f".cost-chart[data-currency={currency}] svg")
+        assert chart.locator("text").first.text_content() == f"Cost per day ({currency})"
+        bars = chart.locator("rect title").all_text_contents()
+        assert [bar for bar in bars if not bar.endswith(": 0")] == [f"{model} {today}: {cost}"]  # one series: its own currency's models
+        assert chart.locator("text.tick").all_text_contents()[0] == "0" and len(chart.locator("text.tick").all()) > 2  # a y-axis
+    assert page.text_content("#usage-unpriced").startswith("3 entries have no price (30 prompt + 3 completion tokens)")
+    page.goto(f"{live_service.url}{CHANGELIST}")
+    assert " ".join(page.text_content("#ledger-totals p").split()) == "6 entries: 60 prompt + 4 completion tokens."
+    assert page.locator("#ledger-costs .cost").all_text_contents() == ["0.01 EUR (1 entry)", "0.02 USD (2 entries)"]
+    unpriced = " ".join(page.text_content("#ledger-unpriced").split())
+    assert unpriced == "3 entries have no price (30 prompt + 3 completion tokens): not in the cost above."  # the free ones: 0 + 1 + 2 completion
 
 
 def sign_in(new_page, service, username):

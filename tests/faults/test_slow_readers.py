@@ -1,4 +1,4 @@
-"""Clients that read one event a second, beside fast ones: the fast ones keep their pace,
+"""Clients that read two events a second, beside fast ones: the fast ones keep their pace,
 and what the web process buffers for the slow ones stays small."""
 
 import time
@@ -12,15 +12,16 @@ from tests.faults.streams import body, record, rss_mb
 pytestmark = pytest.mark.django_db(transaction=True)
 GROWTH_MB = 64  # what 16 slow readers of 32-token replies may cost the web process, at most
 FAST_LAG = 2.0  # seconds from a reply's end in the ledger to [DONE] at a client that keeps up
-# A reader taking a second an event finishes well after the engine did (its ~25 events take
-# ~25 s; the engine needs a few seconds a reply), unless the engine waited for it.
+# A reader taking half a second an event finishes well after the engine did (its ~25 events
+# take ~12 s; the engine needs a few seconds a reply), unless the engine waited for it.
 SLOW_LAG = 5.0
+SLOW_READ = 0.5  # seconds a slow reader waits before each next event
 
 
 def test_slow_readers_do_not_hold_up_fast_ones(live_service, api_key):
     daphne = live_service.children[-1]
     before = rss_mb(daphne.pid)
-    slow = [(body(f"Name {n} animals.", max_tokens=32), 1.0) for n in range(2, 18)]
+    slow = [(body(f"Name {n} animals.", max_tokens=32), SLOW_READ) for n in range(2, 18)]
     fast = [(body(f"Name {n} rivers.", max_tokens=32), 0.0) for n in range(2, 6)]
     payloads = slow + fast
     with ThreadPoolExecutor(len(payloads)) as pool:
