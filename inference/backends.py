@@ -100,6 +100,7 @@ class UpstreamBackend(LocalBackend):
         self.tiktoken = self.tokenizer_name in tiktoken_offline.ENCODINGS
         self.end_of_turn_counted = upstream.counts_end_of_turn(self.entry)
         self.max_concurrent = upstream.max_concurrent(self.entry, settings.TOKSTREAM_MODELS.values())
+        self.slots = upstream.slots_of(self.entry)
 
     @property
     def served_model(self):
@@ -110,7 +111,7 @@ class UpstreamBackend(LocalBackend):
             value = chat.n if name == "n" else chat.sampling.get(name, default)
             if value != default:
                 raise invalid(f"`{name}` is not supported for the upstream model `{chat.model}`.", param=name)
-        upstream.refuse_unrelayable(chat.sent)
+        upstream.refuse_unforwarded(chat.sent)
         upstream.messages(chat.sent["messages"])  # refuses what cannot be forwarded, by name
 
     def prompt(self, chat):

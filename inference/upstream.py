@@ -19,12 +19,19 @@ from inference.protocol.errors import invalid
 
 # What the relay answers for itself rather than forwarding as sent: the model (the upstream's
 # name for it), the stream (always one) and its options (the usage always asked for), and our
-# own extension. Every other field the client sent goes upstream as it was sent, ours to check
-# or not: the upstream refuses what it does not take, and its client is told its refusal.
+# own extension.
 OURS = ("model", "stream", "stream_options", "tokstream")
-# OpenAI fields whose answers are neither text nor tool calls (a function call of the old API,
-# audio): a relay of chat chunks would lose them, so they are refused.
-NOT_RELAYABLE = ("functions", "function_call", "audio", "modalities")
+# The fields an upstream is forwarded, as the client sent them: OpenAI's chat parameters whose
+# answers a relay of text and tool-call chunks passes on, and the sampling extensions vLLM and
+# llama.cpp share. Anything else is refused by name: passed on unread, a field could change what
+# the vendor bills (a priority tier, beam search) or what it counts (the stop string kept in the
+# output), or ask for an answer the relay would lose (audio, old-style function calls).
+FORWARDED = (
+    "messages", "max_tokens", "max_completion_tokens", "n", "temperature", "top_p", "top_k", "min_p",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "logit_bias",
+    "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+    "user", "metadata", "store", "reasoning_effort",
+)  # fmt: skip
 
 # Whether a known server's usage counts the end-of-turn token a reply ends with when the model
 # stops by itself: vLLM, SGLang and llama.cpp's own llama-server count every id the model
@@ -57,9 +64,16 @@ def counts_end_of_turn(entry):
 
 
 def max_concurrent(entry, entries):
-    """How many requests the entry's server is sent at once. Entries that share a server share
-    its slots, so the least any of them allows holds for all."""
-    return min(own_limit(other) for other in entries if same_server(other, entry))
+    """How many requests the entry's slots admit at once. Entries that share slots (see
+    slots_of), so the least any of them allows holds for all."""
+    return min(own_limit(other) for other in entries if other.get("source") == "openai-compatible" and slots_of(other) == slots_of(entry))
+
+
+def slots_of(entry):
+    """What a limit counts the requests of: a self-hosted server's slots are shared by every
+    model it serves; a vendor's API limits each model apart."""
+    url = entry["base_url"].rstrip("/")
+    return f"{url}|{entry['upstream_model']}" if server_of(entry) == "openai" else url
 
 
 def own_limit(entry):
@@ -69,29 +83,22 @@ def own_limit(entry):
     return limit
 
 
-def same_server(entry, other):
-    return entry.get("source") == "openai-compatible" and server_url(entry) == server_url(other)
-
-
-def server_url(entry):
-    return entry["base_url"].rstrip("/")
-
-
 # -- forwarding -------------------------------------------------------------------------------
 
 
 def body(sent, served_model):
     """The upstream's request: what the client sent, in the upstream's model name, always
     streamed, with the usage asked for. A field sent as null is a field not sent."""
-    forwarded = {name: value for name, value in sent.items() if name not in OURS and value is not None}
+    forwarded = {name: sent[name] for name in FORWARDED if sent.get(name) is not None}
     forwarded["messages"] = messages(sent["messages"])
     return {**forwarded, "model": served_model, "stream": True, "stream_options": {"include_usage": True}}
 
 
-def refuse_unrelayable(sent):
-    for name in NOT_RELAYABLE:
-        if sent.get(name) is not None:
-            raise invalid(f"`{name}` is not supported for an upstream model: its answer would not reach the client.", param=name)
+def refuse_unforwarded(sent):
+    """Nothing the client sent is dropped unsaid: a field that is not forwarded is refused."""
+    for name in sorted(set(sent) - set(FORWARDED) - set(OURS)):
+        if sent[name] is not None:
+            raise invalid(f"`{name}` is not supported for an upstream model: it is not forwarded.", param=name)
 
 
 def messages(sent):

@@ -581,13 +581,15 @@ function copiedText(button) {
   return button.closest(".code-block").querySelector("code").textContent;
 }
 
+// The button says how it went: an alert would take the place of a failed send's Retry.
 async function copy(button) {
   try {
     await navigator.clipboard.writeText(copiedText(button));
+    button.textContent = "Copied";
   } catch (error) {
-    return showError(`Not copied: ${error.message}`);
+    button.textContent = "Not copied";
+    button.title = error.message;
   }
-  button.textContent = "Copied";
   setTimeout(() => (button.textContent = "Copy"), COPIED_MS);
 }
 
@@ -724,6 +726,7 @@ $("steer-form").addEventListener("submit", (event) => {
 document.addEventListener("keydown", (event) => {
   if (event.key !== "Escape") return;
   if (document.body.classList.contains("drawer-open")) openDrawer(false);
+  else if (state.editing) cancelEditing();
   else stop();
 });
 $("stop").addEventListener("click", stop);

@@ -241,7 +241,9 @@ class StreamingMarkdown {
     this.frozen = done;
     this.defined = [this.defined, definitions(piece)].filter(Boolean).join("\n");
     const tail = this.text.slice(done);
-    this.relink([this.defined, definitions(tail)].filter(Boolean).join("\n"));
+    // The tail's whole lines only: a definition's address is known once its line has ended, and
+    // the frozen blocks are rendered again once for it, not once a frame while it arrives.
+    this.relink([this.defined, definitions(tail.slice(0, tail.lastIndexOf("\n") + 1))].filter(Boolean).join("\n"));
     if (piece.trim()) this.freeze(piece);
     this.renderTail(tail);
   }

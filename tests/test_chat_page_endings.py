@@ -8,10 +8,9 @@ from django.conf import settings
 
 from inference.models import Chat
 from tests.service import wait_for_entry
-from tests.test_chat_page import REPLY, Browser, chat_page, wait_for_text
+from tests.test_chat_page import LONG, REPLY, Browser, chat_page, wait_for_text
 
 pytestmark = pytest.mark.django_db(transaction=True)
-LONG = " ".join(f"word{n}" for n in range(1000))  # 3,891 tokens: with max_tokens 4000, about a minute of the echo model
 
 
 def ending_after_reload(browser):

@@ -205,3 +205,18 @@ def test_a_field_whose_answer_a_relay_would_lose_is_refused_by_name(front, api_k
     answer = httpx.post(f"{front.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=30)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "functions"
     assert not UsageEntry.objects.exists()
+
+
+def test_a_reply_whose_finish_reason_came_before_its_client_left_is_billed_whole(front, api_key):
+    """The upstream sent the whole reply and its finish reason, then nothing for a while before
+    its usage, and the client left meanwhile: the reply was whole, so it is billed as completed
+    (by our count: the vendor's usage was lost with the connection), not as cancelled."""
+    body = chat_body("stop then silent", model="vendor-slow", stream=True)
+    with httpx.stream("POST", f"{front.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=60) as response:
+        seen = []
+        for _, data in events(response):
+            seen.append(data)
+            if content_of(seen) == "Hello there":
+                break  # the client leaves (the finish reason reaches clients with the usage, at the end)
+    entry = wait_for_entry(seconds=10, model="vendor-slow")
+    assert entry.status == "completed" and entry.usage_source == "estimate" and entry.completion_tokens == 2

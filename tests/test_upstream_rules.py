@@ -13,7 +13,7 @@ def entry(**options):
     return {"source": "openai-compatible", "base_url": "http://gpu-1:8000/v1", "upstream_model": "m", "tokenizer": "o200k_base", **options}
 
 
-def test_it_forwards_every_field_the_client_sent_but_its_own_and_nulls():
+def test_it_forwards_the_fields_the_client_sent_but_its_own_and_nulls():
     sent = {"model": "ours", "messages": [{"role": "user", "content": "hi"}], "stream": False, "tokstream": {"beam_width": 1}}
     sent |= {"response_format": {"type": "json_object"}, "parallel_tool_calls": False, "temperature": None, "stream_options": {"continuous_usage_stats": True}}
     body = upstream.body(sent, "theirs")
@@ -25,6 +25,7 @@ def test_it_forwards_every_field_the_client_sent_but_its_own_and_nulls():
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    upstream.refuse_unforwarded(sent)  # everything it holds is forwarded or ours
 
 
 def test_a_turn_without_content_is_sent_with_empty_content_and_an_empty_call_list_is_no_call():
@@ -32,10 +33,11 @@ def test_a_turn_without_content_is_sent_with_empty_content_and_an_empty_call_lis
     assert upstream.messages(sent) == [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]
 
 
-def test_an_answer_a_relay_would_lose_is_refused_by_name():
+@pytest.mark.parametrize("name", ["function_call", "service_tier", "include_stop_str_in_output", "chat_template"])
+def test_a_field_that_is_not_forwarded_is_refused_by_name_not_dropped(name):
     with pytest.raises(ApiError) as refused:
-        upstream.refuse_unrelayable({"function_call": "auto"})
-    assert refused.value.status == 400 and refused.value.body()["error"]["param"] == "function_call"
+        upstream.refuse_unforwarded({"model": "m", "messages": [], name: "x", "seed": None})
+    assert refused.value.status == 400 and refused.value.body()["error"]["param"] == name
 
 
 def test_a_stop_string_cut_is_counted_as_the_upstream_says_it_stopped(tokenizer):
@@ -50,12 +52,19 @@ def test_a_stop_string_cut_is_counted_as_the_upstream_says_it_stopped(tokenizer)
     assert estimate() == min(count("one, two three"), count("one, two\n"))  # not said: the cut is assumed
 
 
-def test_servers_that_share_a_host_share_its_slots_and_llama_cpp_python_gets_one_at_a_time():
-    narrow, wide, elsewhere = entry(max_concurrent=2), entry(max_concurrent=6), entry(base_url="http://gpu-2:8000/v1/")
+def test_models_of_one_server_share_its_slots_and_llama_cpp_python_gets_one_at_a_time():
+    narrow, wide = entry(server="vllm", upstream_model="a", max_concurrent=2), entry(server="vllm", upstream_model="b", max_concurrent=6)
+    elsewhere = entry(server="vllm", base_url="http://gpu-2:8000/v1/")
     entries = [narrow, wide, elsewhere, {"source": "echo", "tokenizer": "x"}]
     assert [upstream.max_concurrent(e, entries) for e in (narrow, wide, elsewhere)] == [2, 2, upstream.DEFAULT_MAX_CONCURRENT]
     single = entry(server="llama-cpp-python")
     assert upstream.max_concurrent(single, [single]) == 1
+
+
+def test_a_vendor_api_limits_each_model_apart():
+    mini, big = entry(server="openai", upstream_model="gpt-4o-mini", max_concurrent=64), entry(server="openai", upstream_model="gpt-4o", max_concurrent=4)
+    assert [upstream.max_concurrent(e, [mini, big]) for e in (mini, big)] == [64, 4]
+    assert upstream.slots_of(mini) != upstream.slots_of(big)
 
 
 @pytest.mark.parametrize("options", [{"max_concurrent": 0}, {"max_concurrent": "4"}, {"max_concurrent": True}, {"server": "vLLM"}])

@@ -157,7 +157,8 @@ class VendorStandIn(BaseHTTPRequestHandler):
     what real vendors send less often: "fail" a 500, "busy" a 429 and "overloaded" a 503 with
     Retry-After, "missing" a 404; "hang" no answer in time; "error then stop" an error chunk
     followed by a finish reason; "bad usage" counts that are not numbers; "silent N" no byte
-    for N seconds (a long prefill), noticing when its client leaves meanwhile."""
+    for N seconds (a long prefill), noticing when its client leaves meanwhile; "stop then
+    silent" its finish reason, then nothing for a while before its usage."""
 
     REFUSALS = {
         "fail": (500, {"message": "the vendor is down"}, {}),
@@ -181,8 +182,21 @@ class VendorStandIn(BaseHTTPRequestHandler):
         with self.counted():
             if last.startswith("silent ") and not self.silent(float(last.split()[1])):
                 return
-            stream = "".join(f"data: {json.dumps({'id': 'v-1', 'object': 'chat.completion.chunk', **c})}\n\n" for c in self.chunks(last))
-            self.answer(200, (stream + "data: [DONE]\n\n").encode(), "text/event-stream")
+            events = [f"data: {json.dumps({'id': 'v-1', 'object': 'chat.completion.chunk', **c})}\n\n" for c in self.chunks(last)] + ["data: [DONE]\n\n"]
+            if last == "stop then silent":
+                return self.stream_with_pause(events, before=-2)
+            self.answer(200, "".join(events).encode(), "text/event-stream")
+
+    def stream_with_pause(self, events, before):
+        """The events as they come, silent for a while before the one at `before` (the usage)."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for n, event in enumerate(events):
+            if n == len(events) + before and not self.silent(30):
+                return
+            self.wfile.write(event.encode())
+            self.wfile.flush()
 
     @contextlib.contextmanager
     def counted(self):

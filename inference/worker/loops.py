@@ -40,6 +40,12 @@ def forget_own_beats(client):
     return streamlog.forget_workers(client, lambda field: field.startswith(own))
 
 
+def beat(client, worker_id, model, running=0, waiting=0):
+    streamlog.heartbeat(client, worker_id, model, running, waiting)
+    if STOPPED.is_set():  # the shutdown removed the beats while this one was on its way
+        forget_own_beats(client)
+
+
 def forget_stopped_here(client):
     """At start-up: the beats of this host's worker processes that no longer run (one killed
     before this one started) would keep /healthz answering 200 while this one loads. A
@@ -146,9 +152,7 @@ class EngineLoop(threading.Thread):
 
     def heartbeat(self):
         if not STOPPED.is_set() and time.monotonic() - self.last_beat >= settings.TOKSTREAM_WORKER_TTL / 3:
-            streamlog.heartbeat(self.redis, self.worker_id, self.model.name, len(self.engine.running), len(self.engine.waiting))
-            if STOPPED.is_set():  # the shutdown removed the beats while this one was on its way
-                forget_own_beats(self.redis)
+            beat(self.redis, self.worker_id, self.model.name, len(self.engine.running), len(self.engine.waiting))
             self.last_beat = time.monotonic()
             self.report_drafts()
 
@@ -228,7 +232,7 @@ class UpstreamBeat(threading.Thread):
     def run(self):
         while not STOPPED.is_set():
             try:
-                streamlog.heartbeat(self.redis, self.worker_id, self.name_of_model)
+                beat(self.redis, self.worker_id, self.name_of_model)
             except Exception:  # Redis went away: beat again later
                 log.exception("heartbeat of upstream model %s failed", self.name_of_model)
             time.sleep(settings.TOKSTREAM_WORKER_TTL / 3)

@@ -47,8 +47,7 @@ class Relay:
         told it (it gets only what the client sent), the relay stops reading there."""
         self.stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
         self.limit = None if {"max_tokens", "max_completion_tokens"} & set(body) else max_tokens
-        base_url = self.backend.entry["base_url"]
-        slot = slots.Slot(client, base_url, self.request_id, self.backend.max_concurrent, time.time())
+        slot = slots.Slot(client, self.backend.slots, self.request_id, self.backend.max_concurrent, time.time())
         if not slot.wait(lambda: self.unwanted(client, deadline)):
             return
         try:
@@ -78,18 +77,24 @@ class Relay:
                 if response.status_code != 200:
                     return self.refused(response)
                 self.sent = True
+                watch.response = response
                 streamlog.append(client, self.request_id, Accepted())
                 self.read(client, response)
         except httpx.TimeoutException:
             self.broken(watch, "the upstream did not answer in time", 504)
         except (httpx.HTTPError, httpx.StreamError) as exc:
             self.broken(watch, f"the upstream connection failed: {exc}", 502)
+        except ValueError as exc:  # an event that is not JSON: one cut in the middle, say
+            self.broken(watch, f"the upstream sent an event that is not JSON: {exc}", 502)
         if self.finish_reason is None:
             self.broken(watch, "the upstream stream ended without a finish reason")
 
     def broken(self, watch, message, status=None):
         """The answer ended early: cut by us because the client left, or a failure (before the
-        first byte, a gateway's status)."""
+        first byte, a gateway's status). A reply whose finish reason had come was whole: only
+        its usage was lost (it is billed as our estimate)."""
+        if self.finish_reason is not None:
+            return
         if watch.cancelled:
             # The upstream read a request cut while it was silent (a prefill): its prompt is billed.
             self.sent = self.sent or watch.delivered
@@ -215,6 +220,7 @@ class CancelWatch:
         self.cancelled = False
         self.delivered = False  # the whole request went out: the upstream has read its prompt
         self.sockets = []
+        self.response = None  # once the upstream answered
 
     def __enter__(self):
         threading.Thread(target=self.watch, daemon=True).start()
@@ -224,9 +230,10 @@ class CancelWatch:
         self.done.set()
 
     def trace(self, event, info):
-        """httpx's trace hook: the connection's socket, to cut. A closed response or client
-        would not wake a read blocked on a silent upstream; a shut-down socket does."""
-        if event == "connection.connect_tcp.complete":
+        """httpx's trace hook: the connection's socket, to cut (a TLS connection's is the TLS
+        socket, which takes the TCP one over). A closed response or client would not wake a
+        read blocked on a silent upstream; a shut-down socket does."""
+        if event in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
             self.sockets.append(info["return_value"].get_extra_info("socket"))
             if self.cancelled:
                 self.cut()
@@ -245,5 +252,8 @@ class CancelWatch:
 
     def cut(self):
         for sock in self.sockets:
-            with contextlib.suppress(OSError):  # already closed
+            with contextlib.suppress(OSError):  # already closed, or taken over by TLS
                 sock.shutdown(socket.SHUT_RDWR)
+        if self.response is not None:  # a response still streaming ends at its next read too
+            with contextlib.suppress(Exception):
+                self.response.close()

@@ -45,10 +45,11 @@ def keys(server):
 
 
 class Slot:
-    """One request's place at one upstream server (`server`: its base URL)."""
+    """One request's place at one upstream server (`server`: what its limit counts, see
+    upstream.slots_of)."""
 
     def __init__(self, client, server, request_id, limit, arrival):
-        self.client, self.keys = client, keys(server.rstrip("/"))
+        self.client, self.keys = client, keys(server)
         self.request_id, self.limit, self.arrival = request_id, limit, arrival
         self.renewed = 0.0
 

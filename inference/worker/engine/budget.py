@@ -57,9 +57,9 @@ class StepCost:
     def add(self, decode_rows, prompt_tokens, seconds):
         plain = self.decode.at(decode_rows)
         if not prompt_tokens:
-            self.decode.add(decode_rows, clipped(seconds, plain))
+            self.decode.add(decode_rows, clipped(seconds, self.decode, decode_rows))
         elif plain is not None:
-            self.prefill.add(prompt_tokens, clipped(max(seconds - plain, 0.0), self.prefill.at(prompt_tokens)))
+            self.prefill.add(prompt_tokens, clipped(max(seconds - plain, 0.0), self.prefill, prompt_tokens))
 
     def tokens_within(self, bound, decoding):
         """Prompt tokens a step of `decoding` sequences can carry within `bound` plain steps."""
@@ -76,8 +76,13 @@ class StepCost:
         return per_row * drafts / usual
 
 
-def clipped(seconds, expected):
-    return seconds if expected is None else min(seconds, OUTLIER * expected)
+def clipped(seconds, line, x):
+    """`seconds`, or at most OUTLIER times what `line` expects at `x`. Only a fitted line
+    expects anything of an `x` it has not seen: while every step had one size, its mean says
+    nothing of a bigger one."""
+    if line.slope() is None:
+        return seconds
+    return min(seconds, OUTLIER * line.at(x))
 
 
 def prefill_budget(decoding, waiting_tokens, oldest_wait, cost, step_tokens, idle_chunk):
