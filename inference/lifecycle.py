@@ -387,8 +387,9 @@ def stale(model, state, worker, deadline, ending_at, beats):
         return ENDED  # its ledger row failed to be written: write it from its end entry
     if state == ENDING:  # its ender stopped before the ledger had it: end it again
         return "orphaned" if time.time() - float(ending_at or 0) > SWEEP_AFTER else None
-    if holder(state) or worker:
-        return None if streamlog.beating(beats, holder(state) or worker, model) else "orphaned"
-    if deadline and time.time() > float(deadline):
-        return "expired"
+    claimed = holder(state)
+    if not claimed and deadline and time.time() > float(deadline):
+        return "expired"  # still queued: in the broker, or prefetched by a worker busy with others
+    if claimed or worker:
+        return None if streamlog.beating(beats, claimed or worker, model) else "orphaned"
     return None

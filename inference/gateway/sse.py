@@ -147,8 +147,9 @@ class StreamLost(Exception):
 
 async def idle_check(client, admitted, unserved):
     """(idle intervals in a row with no live worker for the model, and "ended" if the request
-    is over). A claimed request needs its worker beating; a queued one, its prefetching
-    worker if one took it, its deadline not passed, and a live worker for its model two idle
+    is over). A claimed request needs its worker beating; a queued one, its deadline not
+    passed (prefetched by a worker or not: a worker busy with others may hold it long past
+    it), its prefetching worker if one took it, and a live worker for its model two idle
     intervals in a row (one could be a worker restarting)."""
     request_id = admitted.request_id
     async with client.pipeline(transaction=False) as pipe:
@@ -159,13 +160,13 @@ async def idle_check(client, admitted, unserved):
         raise StreamLost(lifecycle.MESSAGES["lost"])
     if state in (lifecycle.ENDED, lifecycle.ENDING):
         return 0, state  # ending: whoever ends it writes the end entry next
-    holder = lifecycle.holder(state) or worker
-    if holder:
-        alive = streamlog.beating(beats, holder, admitted.model)
-        await reap_unless(alive, client, request_id, state, "orphaned")
-        return 0, None
-    if deadline and time.time() > float(deadline):
+    claimed = lifecycle.holder(state)
+    if not claimed and deadline and time.time() > float(deadline):
         await reap_unless(False, client, request_id, state, "expired")
+        return 0, None
+    if claimed or worker:
+        alive = streamlog.beating(beats, claimed or worker, admitted.model)
+        await reap_unless(alive, client, request_id, state, "orphaned")
         return 0, None
     unserved = 0 if admitted.model in streamlog.served_models(beats) else unserved + 1
     await reap_unless(unserved < 2, client, request_id, state, "orphaned")

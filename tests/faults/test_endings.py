@@ -4,7 +4,9 @@ generation that fails in the model."""
 import threading
 import time
 
+import httpx
 import pytest
+from django.conf import settings
 
 from billing.models import UsageEntry
 from inference import streamlog
@@ -18,34 +20,42 @@ from tests.conftest import separate_service
 from tests.faults.conftest import holds_back, rows_for
 from tests.faults.streams import body, record
 from tests.faults.test_worker_killed import ESSAY, wait_for_requests, wait_until_running
-from tests.sse import MODEL
+from tests.sse import MODEL, auth
 
 pytestmark = pytest.mark.django_db(transaction=True)
+DEADLINE = 20  # seconds a request may wait for a worker, in this test
 
 
 @pytest.fixture
 def one_slot(django_db_setup, django_db_blocker, redis_client):
     # One decode slot and a 20 s deadline, so that a second request waits past its deadline
-    # within the test (shipped: 8 slots, 600 s).
-    with separate_service(django_db_blocker, 4, TOKSTREAM_MAX_RUNNING="1", TOKSTREAM_QUEUE_TIMEOUT="20") as service:
+    # within the test (shipped: 32 slots, 600 s); room in the cache for a reply that outlasts it.
+    options = dict(TOKSTREAM_MAX_RUNNING="1", TOKSTREAM_QUEUE_TIMEOUT=str(DEADLINE), TOKSTREAM_KV_CACHE_TOKENS="8192")
+    with separate_service(django_db_blocker, 4, **options) as service:
         yield service
 
 
 def test_a_request_past_its_queue_deadline_fails_unrun(one_slot, budgeted):
     _, key, budget = budgeted
     first = []
-    # The end-of-turn tokens barred, so the essay holds the one slot for all its 1,500 tokens,
-    # past the 20 s deadline, wherever a greedy reply would have stopped by itself.
-    hold = body(ESSAY, max_tokens=1500, logit_bias={"0": -100, "2": -100})
-    runner = threading.Thread(target=lambda: first.append(record(one_slot.url, key, hold, leave_after=45)))
+    # The end-of-turn tokens barred, so the essay holds the one slot for all its 4,000 tokens,
+    # well past the 20 s deadline, wherever a greedy reply would have stopped by itself; no
+    # drafts, which would verify a barred essay's repetitions several tokens a step. It is
+    # cancelled once the late request has failed.
+    hold = body(ESSAY, max_tokens=4000, logit_bias={"0": -100, "2": -100}, tokstream={"speculative": False})
+    runner = threading.Thread(target=lambda: first.append(record(one_slot.url, key, hold)))
     runner.start()
     client = streamlog._sync_client(one_slot.env["TEST_REDIS_URL"])
-    wait_until_running(client, wait_for_requests(key, 1), 1)  # the one slot is taken: the next request waits
+    held = wait_until_running(client, wait_for_requests(key, 1), 1)  # the one slot is taken: the next request waits
     late = record(one_slot.url, key, body("Name a fruit.", max_tokens=8))
     assert late.done and late.error["code"] == "queue_timeout" and late.text == ""
+    # Told by its reader's next idle check after the deadline, though the worker had prefetched
+    # it (its one thread busy with the essay): not when that thread came free.
+    assert late.ended_at - late.started < DEADLINE + settings.TOKSTREAM_KEEPALIVE_SECONDS + 5
     assert late.usage["completion_tokens"] == 0
     [row] = rows_for([late.request_id], seconds=10)[late.request_id]
     assert row.status == "failed" and row.prompt_tokens == 0 and row.completion_tokens == 0 and "TOKSTREAM_QUEUE_TIMEOUT" in row.error
+    httpx.post(f"{one_slot.url}/v1/chat/completions/{held[0]}/cancel", headers=auth(key), timeout=30)  # the essay has done its part
     runner.join()
     rows_for([first[0].request_id], seconds=30)
     time.sleep(3)  # the worker has taken the late task by now: it found it ended
