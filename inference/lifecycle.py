@@ -120,6 +120,17 @@ def holder(state):
     return state[len(RUNNING) :] if state and state.startswith(RUNNING) else None
 
 
+def overdue(state, deadline):
+    """Still queued past its deadline: in the broker, or prefetched by a worker busy with others
+    (whose beat says nothing of when it will take the request)."""
+    return not holder(state) and bool(deadline) and time.time() > float(deadline)
+
+
+def watcher(state, worker):
+    """The worker whose beat a request needs: the one that claimed it, else the one that prefetched it."""
+    return holder(state) or worker
+
+
 @dataclass(frozen=True)
 class Facts:
     """What billing a request needs, wherever it is read from."""
@@ -387,9 +398,8 @@ def stale(model, state, worker, deadline, ending_at, beats):
         return ENDED  # its ledger row failed to be written: write it from its end entry
     if state == ENDING:  # its ender stopped before the ledger had it: end it again
         return "orphaned" if time.time() - float(ending_at or 0) > SWEEP_AFTER else None
-    claimed = holder(state)
-    if not claimed and deadline and time.time() > float(deadline):
-        return "expired"  # still queued: in the broker, or prefetched by a worker busy with others
-    if claimed or worker:
-        return None if streamlog.beating(beats, claimed or worker, model) else "orphaned"
+    if overdue(state, deadline):
+        return "expired"
+    if watched_by := watcher(state, worker):
+        return None if streamlog.beating(beats, watched_by, model) else "orphaned"
     return None

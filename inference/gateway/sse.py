@@ -9,7 +9,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import time
 from urllib.parse import parse_qs
 
 from asgiref.sync import sync_to_async
@@ -160,13 +159,11 @@ async def idle_check(client, admitted, unserved):
         raise StreamLost(lifecycle.MESSAGES["lost"])
     if state in (lifecycle.ENDED, lifecycle.ENDING):
         return 0, state  # ending: whoever ends it writes the end entry next
-    claimed = lifecycle.holder(state)
-    if not claimed and deadline and time.time() > float(deadline):
+    if lifecycle.overdue(state, deadline):
         await reap_unless(False, client, request_id, state, "expired")
         return 0, None
-    if claimed or worker:
-        alive = streamlog.beating(beats, claimed or worker, admitted.model)
-        await reap_unless(alive, client, request_id, state, "orphaned")
+    if watched_by := lifecycle.watcher(state, worker):
+        await reap_unless(streamlog.beating(beats, watched_by, admitted.model), client, request_id, state, "orphaned")
         return 0, None
     unserved = 0 if admitted.model in streamlog.served_models(beats) else unserved + 1
     await reap_unless(unserved < 2, client, request_id, state, "orphaned")

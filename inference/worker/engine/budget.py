@@ -55,10 +55,9 @@ class StepCost:
         self.decode, self.prefill = Line(), Line()
 
     def add(self, decode_rows, prompt_tokens, seconds):
-        plain = self.decode.at(decode_rows)
         if not prompt_tokens:
             self.decode.add(decode_rows, clipped(seconds, self.decode, decode_rows))
-        elif plain is not None:
+        elif (plain := self.decode.at(decode_rows)) is not None:
             self.prefill.add(prompt_tokens, clipped(max(seconds - plain, 0.0), self.prefill, prompt_tokens))
 
     def tokens_within(self, bound, decoding):
