@@ -28,8 +28,11 @@ $(VENDOR): package.json package-lock.json
 
 install: $(INSTALLED) $(VENDOR)
 
+# Converts the packaged model once, then measures its weight formats once on this machine
+# (TOKSTREAM_WEIGHTS=auto reads the choice; `manage.py measure_weights --force` measures again).
 model: install
 	$(PY) manage.py prepare_model
+	$(PY) manage.py measure_weights
 
 migrate: install
 	$(PY) manage.py migrate --noinput

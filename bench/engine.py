@@ -33,7 +33,6 @@ from inference.worker.engine import (  # noqa: E402
     Engine,
     Request,
     SamplingParams,
-    llama,
     loader,
 )
 
@@ -55,7 +54,8 @@ def prompts(tokenizer, count):
 
 
 def make_engine(lm, max_running, cache_tokens=48_000, weights="auto"):
-    return Engine.for_model(lm, cache_tokens, max_running=max_running, step_tokens=STEP_TOKENS, weights=weights)
+    formats_file = ROOT / ".cache" / "weights" / f"{MODEL}-{str(lm.device).replace(':', '-')}.json"  # the worker's (make model)
+    return Engine.for_model(lm, cache_tokens, max_running=max_running, step_tokens=STEP_TOKENS, weights=weights, formats_file=formats_file)
 
 
 def hf_sequential(lm, batch, tokens):
@@ -248,12 +248,8 @@ def main():
     sequential = None if args.quick else hf_sequential(lm, batch32[:8], args.tokens)
     if sequential:
         print(f"(a) generate, one request after another (prefill included): {sequential:7.1f} tok/s")
-    runner = make_engine(lm, 1).runner
-    weights = runner.decoding
-    print(
-        f"weights measured at load (linear layers per step, 1 / 32 / {llama.PREFILL_TOKENS} tokens): {llama.describe(weights.timings)}; "
-        f"decoding in {weights.format}, prefill in {runner.prefilling.format}"
-    )
+    weights = make_engine(lm, 1).runner.weights
+    print(f"weights: {weights.format} for every token (as `auto` measured and kept for this machine)")
     for size in (1, 8, 32):
         exact, context = engine_decoding(lm, batch32[:size], args.tokens, weights="float32", speculative=False)
         decoding, _ = engine_decoding(lm, batch32[:size], args.tokens, speculative=False)

@@ -1,42 +1,24 @@
-"""The weight formats the engine may compute with, and what each costs in agreement."""
+"""The weight format `auto` computes in: measured once per machine, kept, and held to a bound."""
+
+import json
+import subprocess
+import sys
+import time
 
 import pytest
-import torch
 
-from inference.worker.engine import Request, SamplingParams
-from inference.worker.engine.llama import Int4, Int8, LlamaWeights, formats_for, score
-from inference.worker.engine.runner import Chunk
-from tests.test_engine import QUESTIONS, chat, real_engine, run
-
-# README: what a user trades for a reduced format, measured by this test's prompt set.
-MIN_TOP1_AGREEMENT = 0.93
+from inference.worker import loops
+from inference.worker.engine import formats
+from inference.worker.engine.llama import Int4, Int8, LlamaWeights
 
 
-def greedy_replies(engine, prompts, tokens=40):
-    requests = [Request(str(i), prompt, SamplingParams(max_tokens=tokens, temperature=0, speculative=False)) for i, prompt in enumerate(prompts)]
-    engine.add(*requests)
-    run(engine)
-    return [r.output_ids for r in requests]
-
-
-def top1(engine, prompt, reply):
-    """The format's own pick after every token of float32's reply (teacher forcing)."""
-    ids = prompt + reply
-    blocks = list(range(-(-len(ids) // 16)))
-    logits = engine.runner.forward([Chunk(ids, 0, blocks, "probe", all_logits=True)])
-    return logits[len(prompt) - 1 : -1].argmax(-1)
-
-
-@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
-def test_a_reduced_format_agrees_with_float32_on_the_next_token_almost_everywhere(model, fmt):
-    prompts = [chat(model, q) for q in QUESTIONS]
-    replies = greedy_replies(real_engine(model), prompts)
-    engine = real_engine(model, weights=fmt)
-    agree = total = 0
-    for prompt, reply in zip(prompts, replies):
-        agree += int((top1(engine, prompt, reply) == torch.tensor(reply)).sum())
-        total += len(reply)
-    assert agree / total >= MIN_TOP1_AGREEMENT, f"{fmt}: {agree} of {total}"
+@pytest.fixture(scope="module")
+def report(model):
+    """What the worker's `auto` kept for this machine (measured by whichever came first: this
+    test or a worker the suite started)."""
+    path = loops.formats_file(model)
+    chosen = formats.chosen(model.model, model.tokenizer, model.device, path)
+    return chosen, json.loads(path.read_text())
 
 
 def test_int4_keeps_the_4_bit_matrices_of_the_gguf_and_gives_the_embedding_int8(model):
@@ -45,10 +27,44 @@ def test_int4_keeps_the_4_bit_matrices_of_the_gguf_and_gives_the_embedding_int8(
     assert isinstance(weights.lm_head, Int8)  # 6-bit in the GGUF: 4 bits would lose too much
 
 
-def test_auto_decodes_and_prefills_in_the_formats_that_measured_fastest_here(model):
-    decoding, prefilling = formats_for(model.model, "auto", model.device)
-    timings = decoding.timings  # seconds at 1, 32 and PREFILL_TOKENS tokens
-    assert set(timings) == {"float32", "bfloat16", "int8", "int4"}
-    assert score(timings[decoding.format]) == min(map(score, timings.values()))
-    assert timings[prefilling.format][2] == min(times[2] for times in timings.values())
-    assert formats_for(model.model, "auto", model.device)[0] is decoding  # measured once per process
+def test_auto_keeps_the_figures_and_picks_the_fastest_format_within_the_perplexity_bound(report):
+    chosen, kept = report
+    figures = kept["formats"]
+    assert set(figures) == {"float32", "bfloat16", "int8", "int4"} and kept["format"] == chosen
+    bound = figures["float32"]["perplexity"] * formats.PERPLEXITY_BOUND
+    allowed = {fmt: f for fmt, f in figures.items() if f["row_invariant"] and f["perplexity"] <= bound}
+    assert chosen in allowed
+    assert formats.score(list(figures[chosen]["ms_per_step"].values())) <= (1 + formats.MARGIN) * min(
+        formats.score(list(f["ms_per_step"].values())) for f in allowed.values()
+    )
+    assert all(0.9 <= f["top1"] <= 1 for f in figures.values())  # the README's table: each format's agreement
+
+
+def test_a_start_reads_the_kept_choice_even_while_both_cores_are_busy(model, report):
+    """A second start on the same machine, with another process spinning on both cores, takes
+    the same format from the file and measures nothing."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        started = time.monotonic()
+        again = formats.chosen(model.model, model.tokenizer, model.device, loops.formats_file(model))
+        took = time.monotonic() - started
+    finally:
+        for process in busy:
+            process.kill()
+    assert again == report[0]
+    assert took < 5, f"{took:.0f} s: it measured again"
+
+
+def test_a_file_from_another_machine_or_model_is_not_read(model, report, tmp_path):
+    path = tmp_path / "weights.json"
+    path.write_text(json.dumps({**report[1], "key": "another machine", "format": "bfloat16"}))
+    assert formats.read(path, formats.machine_key(model.model, model.device)) is None
+
+
+def test_timings_that_never_agree_are_no_measurement(monkeypatch):
+    """A round that picks another format than the one before never counts: while the CPUs are
+    busy the choice is not made (and nothing is kept)."""
+    rounds = iter([{"float32": [1, 1], "int4": [2, 2]}, {"float32": [2, 2], "int4": [1, 1]}] * formats.MAX_ROUNDS)
+    monkeypatch.setattr(formats, "one_round", lambda *args: next(rounds))
+    with pytest.raises(formats.Unmeasured):
+        formats.agreed_timings(None, ["float32", "int4"], None)

@@ -207,9 +207,15 @@ def build_engine(lm):
         max_running=settings.TOKSTREAM_MAX_RUNNING,
         step_tokens=settings.TOKSTREAM_STEP_TOKENS,
         weights=settings.TOKSTREAM_WEIGHTS,
+        formats_file=formats_file(lm),
     )
     warm_up(engine)
     return engine
+
+
+def formats_file(lm):
+    """Where `auto` keeps what it measured for this model on this machine's device."""
+    return settings.CACHE_DIR / "weights" / f"{lm.name}-{str(lm.device).replace(':', '-')}.json"
 
 
 def warm_up(engine):

@@ -20,6 +20,7 @@ import torch
 
 from inference.protocol.entries import FinishReason
 
+from . import formats
 from .beam import BeamSearch
 from .budget import StepCost
 from .detokenizer import IncrementalDetokenizer
@@ -126,12 +127,15 @@ def merged(earlier, later):
 
 class Engine:
     @classmethod
-    def for_model(cls, lm, cache_tokens, block_size=BLOCK_SIZE, weights="auto", **options):
+    def for_model(cls, lm, cache_tokens, block_size=BLOCK_SIZE, weights="auto", formats_file=None, **options):
         """An engine over a loaded model, with a KV cache of `cache_tokens` tokens, computing
-        with `weights` in that format (`auto`: the fastest here, measured)."""
+        with `weights` in that format (`auto`: the one measured fastest here within the quality
+        bound, kept in `formats_file`: formats.py)."""
         if isinstance(lm.model, EchoModel):
             runner = EchoRunner(lm.model, cache_tokens, block_size)
         else:
+            if weights == "auto":
+                weights = formats.chosen(lm.model, lm.tokenizer, lm.device, formats_file)
             pool = BlockPool.for_model(lm.model.config, cache_tokens, block_size, lm.model.dtype, lm.device)
             runner = LlamaRunner(lm.model, pool, lm.device, lm.context_length, weights)
         return cls(runner, lm.tokenizer, lm.stop_ids, lm.context_length, **options)

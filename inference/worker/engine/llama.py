@@ -1,15 +1,10 @@
 """The forward pass of a Llama-family model, computed by the engine itself over the paged KV cache.
 
 transformers loads the weights and stays the reference; this module lays them out once for
-decoding (q, k and v in one matrix, gate and up in another, in the weight formats that measured
-fastest on this device: one for generated tokens, one for prompt tokens) and runs each step with
-its own RMSNorm, rotary embedding and paged attention: one matrix product per projection and
-format for every token of the step, and no module calls.
+decoding (q, k and v in one matrix, gate and up in another, in one weight format: formats.py
+chooses it) and runs each step with its own RMSNorm, rotary embedding and paged attention: one
+matrix product per projection for every token of the step, and no module calls.
 """
-
-import logging
-import math
-import time
 
 import torch
 import torch.nn.functional as F
@@ -17,12 +12,15 @@ import torch.nn.functional as F
 from .kv_cache import head_dim_of
 from .runner import AttentionPlan, PagedAttention
 
-log = logging.getLogger(__name__)
 INT4_GROUP = 32  # the GGUF's own Q4_1 blocks are 32 weights with a scale and a minimum
 # A matrix that int4 would change by more than this (relative to its norm) goes to int8: the
 # GGUF's 4-bit matrices come back almost exactly, its 6- or 8-bit ones (the embedding) do not.
 INT4_MAX_ERROR = 0.01
 FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
+# The CPU's float matrix product rounds a row by how many rows come with it when they are few
+# (1, 2, 3 or 5 rows differed from 300 here; 4 and 8 or more did not): a step of fewer rows is
+# padded to this many, which costs little where reading the weights bounds the step.
+MIN_ROWS = 8
 
 
 class Linear:
@@ -41,7 +39,10 @@ class Dense(Linear):
         self.weight, self.act_dtype = weight.to(dtype).contiguous(), dtype
 
     def mm(self, x):
-        return F.linear(x, self.weight)
+        if len(x) >= MIN_ROWS or x.device.type != "cpu":
+            return F.linear(x, self.weight)
+        padded = torch.cat([x, x.new_zeros(MIN_ROWS - len(x), x.shape[1])])
+        return F.linear(padded, self.weight)[: len(x)]
 
 
 class Int8(Linear):
@@ -178,16 +179,14 @@ def rotary_table(model, length, device):
 class LlamaRunner:
     """forward(chunks) -> logits, for the engine; see runner.AttentionPlan for the chunks.
 
-    Decoding rows (one token of a sequence, or a draft to verify) and prompt rows may read the
-    weights in different formats: one token is bound by weight bytes, hundreds by arithmetic,
-    and what is fastest for each is measured at load. Every prompt token takes the prefill
-    format and every generated one the decoding format, however steps are split, so that a
-    sequence's keys and values (and a prefix cached from another request) never depend on
-    its neighbours."""
+    Every token goes through the same weights in one format and the same kernels, whether it
+    is a prompt token in a chunk of hundreds, a decode beside 31 others, or a draft to verify:
+    a position's logits, and the keys and values it leaves in the cache (which the prefix
+    cache may hand to another request), never depend on what it travelled with."""
 
     verifies_drafts = True  # gives logits after every token of a chunk that asks
 
-    def __init__(self, model, pool, device, context_length, fmt="auto"):
+    def __init__(self, model, pool, device, context_length, fmt="float32"):
         config = model.config
         self.pool = pool
         self.device = device
@@ -195,113 +194,28 @@ class LlamaRunner:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         self.attention = PagedAttention(pool, self.kv_heads, self.head_dim, device)
-        self.decoding, self.prefilling = formats_for(model, fmt, device)
-        self.format = self.decoding.format
+        self.weights = LlamaWeights.of(model, fmt)
+        self.format = fmt
         self.cos, self.sin = rotary_table(model, context_length, device)
 
     @torch.inference_mode()
     def forward(self, chunks):
         """-> logits [rows, V]: for each chunk the row after its last token, or after each of
         its tokens for a chunk that asks for all of them (a speculative draft to verify)."""
-        w, plan = self.decoding, AttentionPlan(chunks, self.pool.block_size, self.device)
+        w, plan = self.weights, AttentionPlan(chunks, self.pool.block_size, self.device)
         ids = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)  # [N]
         positions = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks]).to(self.device)
         x = F.embedding(ids, w.embed)  # [N, hidden]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [N, 1, D]
         sizes = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
-        n, split = len(ids), plan.decode_rows
-        for index, (layer, wide) in enumerate(zip(w.layers, self.prefilling.layers)):
-            q, k, v = rows_through(layer.qkv, wide.qkv, rms_norm(x, layer.input_norm, w.eps), split).split(sizes, dim=-1)
+        n = len(ids)
+        for index, layer in enumerate(w.layers):
+            q, k, v = layer.qkv(rms_norm(x, layer.input_norm, w.eps)).split(sizes, dim=-1)
             q = rotate(q.view(n, self.heads, self.head_dim), cos, sin)
             k = rotate(k.view(n, self.kv_heads, self.head_dim), cos, sin)
-            self.pool.k[index].index_copy_(0, plan.slots, k)
-            self.pool.v[index].index_copy_(0, plan.slots, v.view(n, self.kv_heads, self.head_dim))
-            x = x + rows_through(layer.o, wide.o, self.attention(index, q, plan), split)
-            gate, up = rows_through(layer.gate_up, wide.gate_up, rms_norm(x, layer.post_norm, w.eps), split).chunk(2, dim=-1)
-            x = x + rows_through(layer.down, wide.down, F.silu(gate) * up, split)
-        return rows_through(w.lm_head, self.prefilling.lm_head, rms_norm(x[plan.logit_rows], w.norm, w.eps), plan.decode_logits)
-
-
-def rows_through(narrow, wide, x, split):
-    """The first `split` rows through the decoding format's layer, the rest through the
-    prefill format's."""
-    if narrow is wide or split >= len(x):
-        return narrow(x)
-    if split <= 0:
-        return wide(x)
-    return torch.cat([narrow(x[:split]), wide(x[split:])])
-
-
-# -- choosing the weight formats by measuring them --------------------------------------------
-
-_chosen = {}  # (model, device) -> (decoding format, prefill format)
-PREFILL_TOKENS = 256  # a prefill step's size, for timing the formats
-
-
-def candidates(model, device):
-    """Formats worth timing here. The CPU's packed int kernels exist in every torch build, but
-    whether they beat float32 depends on the CPU: only a measurement tells."""
-    own = str(model.dtype).removeprefix("torch.")
-    if device.type != "cpu":
-        return [own]
-    return list(dict.fromkeys([own, "float32", "bfloat16", "int8", "int4"]))
-
-
-def formats_for(model, fmt, device):
-    """(decoding weights, prefill weights): `fmt` for both, or with `auto` the fastest here."""
-    if fmt != "auto":
-        weights = LlamaWeights.of(model, fmt)
-        return weights, weights
-    key = (id(model), str(device))
-    if key not in _chosen:
-        _chosen[key] = fastest(model, candidates(model, device), device)
-    return tuple(LlamaWeights.of(model, chosen) for chosen in _chosen[key])
-
-
-def fastest(model, formats, device):
-    """For decoding, the format whose linear layers run fastest for one stream and for 32 at
-    once, by the geometric mean of the two (one stream is bound by weight bytes, 32 by
-    arithmetic); for prefill, the fastest at PREFILL_TOKENS tokens."""
-    timings = {}
-    for fmt in formats:
-        weights = LlamaWeights.of(model, fmt)
-        timings[fmt] = [linears_time(weights, tokens, model, device) for tokens in (1, 32, PREFILL_TOKENS)]
-    decoding = min(formats, key=lambda fmt: score(timings[fmt]))
-    prefill = min(formats, key=lambda fmt: timings[fmt][2])
-    for fmt in set(formats) - {decoding, prefill}:
-        model.__dict__["_tokstream_weights"].pop(fmt)  # measured, not kept
-    LlamaWeights.of(model, decoding).timings = timings
-    log.info("weights: %s for decoding, %s for prefill; linear layers per step at 1 / 32 / %d tokens: %s", decoding, prefill, PREFILL_TOKENS, describe(timings))
-    return decoding, prefill
-
-
-def score(times):
-    return math.sqrt(times[0] * times[1])
-
-
-def describe(timings):
-    return ", ".join(f"{fmt} " + " / ".join(f"{t * 1e3:.1f}" for t in times) + " ms" for fmt, times in timings.items())
-
-
-@torch.inference_mode()
-def linears_time(weights, batch, model, device, repeats=5):
-    """The best of a few passes through every linear layer at `batch` tokens. At prefill sizes
-    the time is arithmetic, not reading weights, and the layers are alike: the first layer's
-    time counts for each (every layer would add seconds to a worker's start)."""
-    layers = weights.linears()
-    inputs = {size: torch.randn(batch, size, dtype=model.dtype, device=device) for size in {layer.in_features for layer in layers}}
-    if batch < PREFILL_TOKENS:
-        return best_pass(layers, inputs, device, repeats)
-    return best_pass(layers[:4], inputs, device, 2) * len(weights.layers) + best_pass([weights.lm_head], inputs, device, 2)
-
-
-def best_pass(layers, inputs, device, repeats):
-    best = math.inf
-    for _ in range(repeats + 1):  # the first pass warms the kernels up
-        start = time.perf_counter()
-        for layer in layers:
-            layer(inputs[layer.in_features])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+            self.pool.k[index].index_copy_(0, plan.slots, k.to(self.pool.k.dtype))
+            self.pool.v[index].index_copy_(0, plan.slots, v.view(n, self.kv_heads, self.head_dim).to(self.pool.v.dtype))
+            x = x + layer.o(self.attention(index, q, plan))
+            gate, up = layer.gate_up(rms_norm(x, layer.post_norm, w.eps)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        return w.lm_head(rms_norm(x[plan.logit_rows], w.norm, w.eps))

@@ -1,16 +1,20 @@
 """What a batched forward pass over the paged KV cache is given, and its attention.
 
 One call computes every scheduled chunk of the step: the linear layers see all tokens at once
-(that is where batching pays), attention runs once for all one-token chunks (decodes, padded
-to the longest context) and once per longer chunk (prefill pieces and drafts, causal over
-their prefix). The model's own math is in llama.py.
+(that is where batching pays). Attention treats every token the same way, whatever chunk it
+travels in: a one-token decode, a piece of a prompt, a draft to verify. Each token is a row of
+its own (one query against its sequence's cached keys up to its position), so its result does
+not depend on how many tokens it travels with or how long its neighbours are; a fused kernel
+that tiles a chunk's queries together would round each of them by the chunk's shape. The
+model's own math is in llama.py.
 """
 
 import itertools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+ROWS_PER_GROUP = 128  # prompt tokens that share one gather of their chunk's keys
 
 
 @dataclass
@@ -20,7 +24,15 @@ class Chunk:
     blocks: list[int]  # the sequence's block table, long enough for start + len(token_ids)
     request_id: str = ""
     all_logits: bool = False  # logits after every token, not only the last: a draft to verify
-    wide: bool = False  # prompt (or steering) tokens: for the prefill weights; such chunks come last
+
+
+@dataclass
+class Group:
+    """Tokens that attend in one kernel call, one query each."""
+
+    rows: torch.Tensor  # [B]: where they sit in the flattened batch
+    blocks: torch.Tensor  # [B, W] each row's block table, or [1, W] shared by all the rows
+    hidden: torch.Tensor  # [B, 1, W * block_size]: -inf at the positions a row does not see, else 0
 
 
 class AttentionPlan:
@@ -36,37 +48,41 @@ class AttentionPlan:
         starts = [0, *itertools.accumulate(lengths)]
         rows = [row for c, start in zip(chunks, starts) for row in (range(start, start + len(c.token_ids)) if c.all_logits else [start + len(c.token_ids) - 1])]
         self.logit_rows = torch.tensor(rows, device=device)
-        # Rows before the first wide chunk go through the decoding weights, the rest through
-        # the prefill weights (the runner's two formats, when they differ).
-        first_wide = next((i for i, c in enumerate(chunks) if c.wide), len(chunks))
-        self.decode_rows = starts[first_wide]
-        self.decode_logits = sum(row < self.decode_rows for row in rows)
         self.slots = torch.tensor([slot for c in chunks for slot in self.new_slots(c)], device=device)  # [N]
         one = [i for i, n in enumerate(lengths) if n == 1]
-        self.decode = self.decode_group([chunks[i] for i in one], torch.tensor([starts[i] for i in one], device=device)) if one else None
-        self.prefills = [self.prefill_group(c, starts[i]) for i, c in enumerate(chunks) if lengths[i] > 1]
+        self.groups = [self.decode_group([chunks[i] for i in one], [starts[i] for i in one])] if one else []
+        for i, chunk in enumerate(chunks):
+            if lengths[i] > 1:
+                self.groups += self.chunk_groups(chunk, starts[i])
 
     def new_slots(self, chunk):
         """Cache slots of the chunk's own tokens."""
         size = self.block_size
         return [chunk.blocks[p // size] * size + p % size for p in range(chunk.start, chunk.start + len(chunk.token_ids))]
 
-    def used_blocks(self, chunk):
-        end = chunk.start + len(chunk.token_ids)
-        return chunk.blocks[: -(-end // self.block_size)], end
-
     def decode_group(self, chunks, rows):
-        tables, lengths = zip(*(self.used_blocks(c) for c in chunks))
+        """One-token chunks, each reading its own blocks (padded to the longest)."""
+        tables = [c.blocks[: -(-(c.start + 1) // self.block_size)] for c in chunks]
         width = max(map(len, tables))
         blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)  # [B, W]
-        visible = torch.arange(width * self.block_size, device=self.device)[None, :] < torch.tensor(lengths, device=self.device)[:, None]
-        return rows, blocks, visible[:, None, None, :]  # mask: [B, 1, 1, W * block_size]
+        return self.group(rows, blocks, [c.start for c in chunks], width)
 
-    def prefill_group(self, chunk, first_row):
-        table, _ = self.used_blocks(chunk)
-        query_pos = chunk.start + torch.arange(len(chunk.token_ids), device=self.device)
-        causal = torch.arange(len(table) * self.block_size, device=self.device)[None, :] <= query_pos[:, None]  # [L, C]
-        return slice(first_row, first_row + len(chunk.token_ids)), torch.tensor(table, device=self.device), causal
+    def chunk_groups(self, chunk, first_row):
+        """A longer chunk's tokens in groups that share their keys, each group reading the
+        blocks up to its last token (causal: a group of early tokens gathers less)."""
+        groups = []
+        for offset in range(0, len(chunk.token_ids), ROWS_PER_GROUP):
+            count = min(ROWS_PER_GROUP, len(chunk.token_ids) - offset)
+            positions = [chunk.start + offset + i for i in range(count)]
+            width = -(-(positions[-1] + 1) // self.block_size)
+            table = torch.tensor([chunk.blocks[:width]], device=self.device)  # [1, W]
+            groups.append(self.group(list(range(first_row + offset, first_row + offset + count)), table, positions, width))
+        return groups
+
+    def group(self, rows, blocks, positions, width):
+        later = torch.arange(width * self.block_size, device=self.device)[None, :] > torch.tensor(positions, device=self.device)[:, None]
+        hidden = torch.zeros(later.shape, device=self.device).masked_fill(later, float("-inf"))
+        return Group(torch.tensor(rows, device=self.device), blocks, hidden[:, None, :])
 
 
 class PagedAttention:
@@ -92,15 +108,31 @@ class PagedAttention:
         by_block = (-1, self.pool.block_size, self.kv_heads, self.head_dim)
         k_cache, v_cache = self.pool.k[layer].view(by_block), self.pool.v[layer].view(by_block)  # [blocks, BS, Hkv, D]
         out = torch.empty_like(q)
-        if plan.decode is not None:
-            rows, blocks, mask = plan.decode
-            shape = (blocks.shape[0], -1, self.kv_heads, self.head_dim)
-            keys = self.gather(k_cache, blocks.flatten(), "k").view(shape).transpose(1, 2)  # [B, Hkv, C, D]
-            values = self.gather(v_cache, blocks.flatten(), "v").view(shape).transpose(1, 2)
-            out[rows] = F.scaled_dot_product_attention(q[rows][:, :, None], keys, values, attn_mask=mask, enable_gqa=True)[:, :, 0]
-        for rows, blocks, mask in plan.prefills:
-            keys = self.gather(k_cache, blocks, "k").flatten(0, 1).transpose(0, 1)[None]  # [1, Hkv, C, D]
-            values = self.gather(v_cache, blocks, "v").flatten(0, 1).transpose(0, 1)[None]
-            attended = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True)
-            out[rows] = attended[0].transpose(0, 1)
+        for group in plan.groups:
+            out[group.rows] = self.attend(q[group.rows], k_cache, v_cache, group)
         return out.flatten(1)
+
+    def attend(self, q, k_cache, v_cache, group):
+        """q: [B, Hq, D] -> [B, Hq, D], one query per row.
+
+        Written out rather than through scaled_dot_product_attention: its fused CPU kernel
+        rounds a row by which thread computes it (the row's place in the batch). Each row and
+        key-value head is one small matrix product of the same shape whatever the step holds
+        ([queries of the head group, D] @ [D, C]); the positions a row does not see weigh
+        exactly zero, so padding to a longer neighbour changes nothing."""
+        rows, kv_heads = len(q), self.kv_heads
+        shape = (group.blocks.shape[0], -1, kv_heads, self.head_dim)
+        keys = self.gather(k_cache, group.blocks.flatten(), "k").view(shape).to(q.dtype)  # [B or 1, C, Hkv, D]
+        values = self.gather(v_cache, group.blocks.flatten(), "v").view(shape).to(q.dtype)
+        q = q.view(rows, kv_heads, -1, self.head_dim)  # [B, Hkv, G, D]
+        out = torch.empty_like(q)
+        for head in range(kv_heads):  # a head's keys are a strided view: no copies
+            k, v = keys[:, :, head].expand(rows, -1, -1), values[:, :, head].expand(rows, -1, -1)  # [B, C, D]
+            out[:, head] = attention(q[:, head], k, v, group.hidden, self.head_dim**-0.5)
+        return out.flatten(1, 2)
+
+
+def attention(q, k, v, hidden, scale):
+    """q: [N, G, D], k and v: [N, C, D], hidden: [N, 1, C] -> [N, G, D]."""
+    scores = torch.baddbmm(hidden, q, k.transpose(1, 2), alpha=scale)  # hidden: 0 where seen, -inf where not
+    return torch.bmm(torch.softmax(scores, dim=-1), v)

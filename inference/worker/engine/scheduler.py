@@ -26,7 +26,7 @@ class Scheduler:
         self.verifies_drafts = verifies_drafts  # the runner can score drafts in one pass
 
     def schedule(self, running):
-        """This step's (request, chunk) pairs, wide ones last (as the runner wants them)."""
+        """This step's (request, chunk) pairs."""
         beaming = [r for r in running if r.beam_tables]
         decoding = [r for r in running if not r.beam_tables and r.pending() == 1]
         prefilling = [r for r in running if not r.beam_tables and r.pending() > 1]
@@ -43,7 +43,7 @@ class Scheduler:
             size = min(request.pending(), budget)
             pieces.append((request, self.chunk(request, size)))
             budget -= size
-        return sorted(scheduled + pieces, key=lambda pair: pair[1].wide)
+        return scheduled + pieces
 
     def budget_for(self, decoding, prefilling):
         first = [r for r in prefilling if not r.output_ids]  # still waiting for a first token
@@ -55,13 +55,13 @@ class Scheduler:
         start = request.computed
         tokens = request.all_ids[start : start + size] + list(draft)
         self.kv.grow(request, request.blocks, start + len(tokens))
-        return Chunk(tokens, start, request.blocks, request.request_id, all_logits=bool(draft), wide=not request.generated[start])
+        return Chunk(tokens, start, request.blocks, request.request_id, all_logits=bool(draft))
 
     def draft(self, request, budget, decoding):
         """Draft tokens to verify with the request's next token, within its reservation, when
         the tokens it is likely to keep are worth the longer step."""
         if budget <= 0 or not request.output_ids or not self.speculates(request):
-            return []  # before the first token the chunk is a prompt's: drafts wait for the decoding weights
+            return []  # a prompt's last token: the reply has nothing yet to look up
         left = request.params.max_tokens - len(request.output_ids) - 1  # the model's own token comes on top
         room = min(left, self.kv.room(request), self.context_length - len(request.all_ids) - 1)
         if room <= 0:
