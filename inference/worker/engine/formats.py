@@ -64,9 +64,9 @@ def machine_key(model, device):
 
 def chosen(model, tokenizer, device, path):
     """The format for `auto`: the one kept in `path` for this model and machine, or measured now
-    and kept there."""
-    key, path = machine_key(model, device), Path(path)
-    report = read(path, key)
+    and kept there (with no `path`, measured and not kept)."""
+    key, path = machine_key(model, device), path and Path(path)
+    report = path and read(path, key)
     if report is None:
         try:
             report = measure(model, tokenizer, device)
@@ -74,7 +74,8 @@ def chosen(model, tokenizer, device, path):
             own = own_format(model)
             log.warning("weights: %s for this start, nothing kept: %s", own, exc)
             return own
-        write(path, {**report, "key": key})
+        if path:  # no file: a benchmark's engine, measured for itself
+            write(path, {**report, "key": key})
         how = "measured now"
     else:
         how = "measured on " + report["measured_at"]
