@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -40,19 +39,21 @@ def test_auto_keeps_the_figures_and_picks_the_fastest_format_within_the_perplexi
     assert all(0.9 <= f["top1"] <= 1 for f in figures.values())  # the README's table: each format's agreement
 
 
-def test_a_start_reads_the_kept_choice_even_while_both_cores_are_busy(model, report):
+def test_a_start_reads_the_kept_choice_even_while_both_cores_are_busy(model, report, monkeypatch):
     """A second start on the same machine, with another process spinning on both cores, takes
     the same format from the file and measures nothing."""
+
+    def measure(*args):
+        raise AssertionError("it measured again")
+
+    monkeypatch.setattr(formats, "measure", measure)
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        started = time.monotonic()
         again = formats.chosen(model.model, model.tokenizer, model.device, loops.formats_file(model))
-        took = time.monotonic() - started
     finally:
         for process in busy:
             process.kill()
     assert again == report[0]
-    assert took < 5, f"{took:.0f} s: it measured again"
 
 
 def test_a_file_from_another_machine_or_model_is_not_read(model, report, tmp_path):

@@ -139,7 +139,6 @@ class LlamaWeights:
         self.norm = body.norm.weight.detach()
         self.layers = [Layer(block, fmt) for block in body.layers]
         self.lm_head = linear(model.lm_head.weight.detach(), fmt)
-        self.timings = {}
 
     @classmethod
     def of(cls, model, fmt):
@@ -195,7 +194,6 @@ class LlamaRunner:
         self.head_dim = head_dim_of(config)
         self.attention = PagedAttention(pool, self.kv_heads, self.head_dim, device)
         self.weights = LlamaWeights.of(model, fmt)
-        self.format = fmt
         self.cos, self.sin = rotary_table(model, context_length, device)
 
     @torch.inference_mode()
@@ -213,8 +211,8 @@ class LlamaRunner:
             q, k, v = layer.qkv(rms_norm(x, layer.input_norm, w.eps)).split(sizes, dim=-1)
             q = rotate(q.view(n, self.heads, self.head_dim), cos, sin)
             k = rotate(k.view(n, self.kv_heads, self.head_dim), cos, sin)
-            self.pool.k[index].index_copy_(0, plan.slots, k.to(self.pool.k.dtype))
-            self.pool.v[index].index_copy_(0, plan.slots, v.view(n, self.kv_heads, self.head_dim).to(self.pool.v.dtype))
+            self.pool.k[index].index_copy_(0, plan.slots, k)
+            self.pool.v[index].index_copy_(0, plan.slots, v.view(n, self.kv_heads, self.head_dim))
             x = x + layer.o(self.attention(index, q, plan))
             gate, up = layer.gate_up(rms_norm(x, layer.post_norm, w.eps)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)

@@ -122,8 +122,8 @@ class PagedAttention:
         exactly zero, so padding to a longer neighbour changes nothing."""
         rows, kv_heads = len(q), self.kv_heads
         shape = (group.blocks.shape[0], -1, kv_heads, self.head_dim)
-        keys = self.gather(k_cache, group.blocks.flatten(), "k").view(shape).to(q.dtype)  # [B or 1, C, Hkv, D]
-        values = self.gather(v_cache, group.blocks.flatten(), "v").view(shape).to(q.dtype)
+        keys = self.gather(k_cache, group.blocks.flatten(), "k").view(shape)  # [B or 1, C, Hkv, D]
+        values = self.gather(v_cache, group.blocks.flatten(), "v").view(shape)
         q = q.view(rows, kv_heads, -1, self.head_dim)  # [B, Hkv, G, D]
         out = torch.empty_like(q)
         for head in range(kv_heads):  # a head's keys are a strided view: no copies
