@@ -69,7 +69,7 @@ class LocalBackend:
     def room(self, chat):
         """A sequence never holds more than the worker's whole KV cache, whatever the model
         allows; beams must all fit at once."""
-        cache_tokens = settings.TOKSTREAM_KV_CACHE_TOKENS // KV_BLOCK_SIZE * KV_BLOCK_SIZE  # as the pool rounds
+        cache_tokens = registry.kv_cache_tokens(self.name) // KV_BLOCK_SIZE * KV_BLOCK_SIZE  # as the pool rounds
         return min(registry.context_length(self.name), cache_tokens // chat.sampling["beam_width"])
 
     def tokenizer_id(self):

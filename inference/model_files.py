@@ -1,6 +1,6 @@
 """A model's files on disk, shared by both processes: where a registry entry's folder is,
-the one-time GGUF conversion, its tokenizer, stop tokens and context length. Nothing here
-loads weights (the worker's engine/loader.py does)."""
+the one-time GGUF conversion, its tokenizer, stop tokens, context length and what a cached
+token costs. Nothing here loads weights (the worker's engine/loader.py does)."""
 
 import hashlib
 import importlib.util
@@ -96,6 +96,27 @@ def stop_ids_of(tokenizer, config):
 
 def context_length_of(config):
     return config.max_position_embeddings
+
+
+def head_dim_of(config):
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_dtype(choice, weights, model_dtype):
+    """The KV cache's dtype (a name): float32 only where asked for, or where the weights are
+    float32 (the exact yardstick that `generate` is); otherwise 16 bits, the model's own where
+    it computes in 16 bits."""
+    if choice != "auto":
+        return choice
+    if weights == "float32":
+        return "float32"
+    return "float16" if model_dtype == "float16" else "bfloat16"
+
+
+def kv_cache_tokens(config, megabytes, dtype):
+    """Tokens a KV cache of `megabytes` holds: each token keeps a key and a value per layer."""
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim_of(config) * (4 if dtype == "float32" else 2)
+    return megabytes * 2**20 // per_token
 
 
 def tokenizer_identity(folder):

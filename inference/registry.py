@@ -40,10 +40,21 @@ def tokenizer(name):
 
 
 @functools.cache
-def context_length(name):
+def config(name):
     from transformers import AutoConfig
 
-    return model_files.context_length_of(AutoConfig.from_pretrained(folder(name), local_files_only=True))
+    return AutoConfig.from_pretrained(folder(name), local_files_only=True)
+
+
+def context_length(name):
+    return model_files.context_length_of(config(name))
+
+
+def kv_cache_tokens(name):
+    """Tokens the worker's KV cache holds for this model, as the worker sizes it (its dtype
+    depends on the model's only where the model computes in float16: 2 bytes either way)."""
+    kv_dtype = model_files.kv_dtype(settings.TOKSTREAM_KV_DTYPE, settings.TOKSTREAM_WEIGHTS, "bfloat16")
+    return model_files.kv_cache_tokens(config(name), settings.TOKSTREAM_KV_CACHE_MB, kv_dtype)
 
 
 @functools.cache

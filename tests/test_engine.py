@@ -121,11 +121,11 @@ def test_a_stop_string_ends_the_request(tokenizer):
     assert outputs[-1].finish_reason == "stop"
 
 
-def test_a_request_that_cannot_fit_waits_and_one_that_never_can_is_refused(tokenizer):
-    engine, _ = make_engine(tokenizer, {"a": ids(tokenizer, " x" * 40), "b": ids(tokenizer, " y" * 3), "huge": []})
+def test_a_prompt_that_cannot_fit_waits_and_a_request_that_never_can_is_refused(tokenizer):
+    engine, _ = make_engine(tokenizer, {"a": ids(tokenizer, " x" * 30), "b": ids(tokenizer, " y" * 3), "huge": []})
     engine.pool.reserve(engine.pool.available() - 3)  # leave room for 3 blocks (48 tokens)
-    engine.add(Request("a", [5], SamplingParams(max_tokens=40, **GREEDY)))  # 3 blocks
-    engine.add(Request("b", [6], SamplingParams(max_tokens=3, **GREEDY)))  # 1 block: must wait
+    engine.add(Request("a", [5], SamplingParams(max_tokens=30, **GREEDY)))  # 1 block now, 2 later
+    engine.add(Request("b", [6] * 33, SamplingParams(max_tokens=3, **GREEDY)))  # 3 blocks for its prompt: must wait
     engine.step()
     assert [r.request_id for r in engine.running] == ["a"] and engine.waiting[0].request_id == "b"
     outputs = run(engine)
@@ -136,6 +136,30 @@ def test_a_request_that_cannot_fit_waits_and_one_that_never_can_is_refused(token
     engine.add(Request("empty", [], SamplingParams(max_tokens=3, **GREEDY)))
     [empty] = engine.step()
     assert empty.finish_reason == "error" and not engine.has_work()
+
+
+def test_requests_take_blocks_as_they_grow_so_more_run_than_their_worst_cases_allow(tokenizer):
+    scripts = {name: ids(tokenizer, " x" * 6) + [2] for name in "abcdefgh"}
+    engine, _ = make_engine(tokenizer, scripts)
+    engine.pool.reserve(engine.pool.available() - 16)  # 16 blocks; each worst case is 60 tokens: 4 blocks
+    engine.add(*[Request(name, [5] * 10, SamplingParams(max_tokens=50, **GREEDY)) for name in scripts])
+    outputs = engine.step()
+    assert len(engine.running) == 8  # a block each to start, and one left for each to grow into; at their worst case, 4
+    outputs += run(engine)
+    assert all(text_of(outputs, name) == " x" * 6 for name in scripts) and not engine.stats["preemptions"]
+
+
+def test_a_full_cache_preempts_the_newest_request_which_resumes_where_it_was(tokenizer):
+    scripts = {"a": ids(tokenizer, " x" * 40), "b": ids(tokenizer, " y" * 40)}
+    engine, _ = make_engine(tokenizer, scripts)
+    held = engine.pool.available() - 4
+    engine.pool.reserve(held)  # 4 blocks: each needs 3 at its end
+    engine.add(Request("a", [5], SamplingParams(max_tokens=40, **GREEDY)), Request("b", [6], SamplingParams(max_tokens=40, **GREEDY)))
+    outputs = run(engine)
+    assert text_of(outputs, "a") == " x" * 40 and text_of(outputs, "b") == " y" * 40
+    assert engine.stats["preemptions"] >= 1 and engine.stats["computed_prompt_tokens"] == 2  # each prompt token counts once
+    assert [o.finish_reason for o in outputs if o.finished] == ["length", "length"]
+    assert engine.pool.reserved == held and all(n == 0 for n in engine.pool.refs)  # only the test's own hold is left
 
 
 # -- the real model ------------------------------------------------------------------------
@@ -162,6 +186,30 @@ def greedy(max_tokens):
 
 def reference_greedy(model, prompt, tokens):
     return reference(model, prompt, tokens, suppress_tokens=list(SPECIALS))
+
+
+def test_a_preempted_request_gives_the_reply_it_gives_alone(model):
+    """A cache too small for three replies at once: some are preempted and computed again, and
+    every reply is the one it gives alone (greedy and seeded), its prompt counted once."""
+    asks = [
+        (chat(model, q), SamplingParams(max_tokens=60, logit_bias=NO_SPECIALS, **sampled))
+        for q in QUESTIONS[:3]
+        for sampled in (GREEDY, dict(temperature=0.8, seed=7))
+    ]
+    alone, engine = [], real_engine(model, cache_tokens=2048, weights="int4")
+    for prompt, params in asks:
+        request = Request(f"alone {len(alone)}", prompt, params)
+        engine.add(request)
+        run(engine)
+        alone.append(request.output_ids)
+    needed = sum(-(-(len(prompt) + 60) // 16) for prompt, _ in asks)
+    engine = real_engine(model, cache_tokens=needed * 16 * 2 // 3, weights="int4")
+    requests = [Request(str(i), prompt, params) for i, (prompt, params) in enumerate(asks)]
+    engine.add(*requests)
+    run(engine)
+    assert engine.stats["preemptions"] > 0
+    assert [r.output_ids for r in requests] == alone
+    assert [r.prefilled for r in requests] == [len(p) for p, _ in asks]
 
 
 QUESTIONS = [

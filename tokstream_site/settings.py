@@ -153,8 +153,11 @@ TOKSTREAM_WEIGHTS = env_choice("TOKSTREAM_WEIGHTS", "auto", ["auto", "float32", 
 # device files tell without importing torch in every web process.)
 _GPU = TOKSTREAM_DEVICE != "cpu" and bool(glob.glob("/dev/nvidia[0-9]*"))
 TOKSTREAM_MAX_RUNNING = env_int("TOKSTREAM_MAX_RUNNING", 256 if _GPU else 32, minimum=1)
-# Room for each running stream's prompt and the default max_tokens, and more.
-TOKSTREAM_KV_CACHE_TOKENS = env_int("TOKSTREAM_KV_CACHE_TOKENS", TOKSTREAM_MAX_RUNNING * 2048, minimum=256)
+# The KV cache's memory; the tokens it holds follow from the model and the dtype
+# (model_files.kv_cache_tokens: SmolLM2-135M keeps 23 KB a token in 16 bits). Requests take
+# blocks as they grow, so this bounds the tokens in flight, not the streams.
+TOKSTREAM_KV_CACHE_MB = env_int("TOKSTREAM_KV_CACHE_MB", 8192 if _GPU else 512, minimum=16)
+TOKSTREAM_KV_DTYPE = env_choice("TOKSTREAM_KV_DTYPE", "auto", ["auto", "float32", "bfloat16", "float16"])
 TOKSTREAM_STEP_TOKENS = env_int("TOKSTREAM_STEP_TOKENS", 24, minimum=1)
 TOKSTREAM_DEFAULT_MAX_TOKENS = env_int("TOKSTREAM_DEFAULT_MAX_TOKENS", 1024, minimum=1)
 TOKSTREAM_MAX_BODY_BYTES = env_int("TOKSTREAM_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)

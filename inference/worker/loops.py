@@ -5,6 +5,7 @@ whenever there is work, checks the cancel flags in Redis once per step, and keep
 key alive so /healthz can tell that a worker has its model loaded.
 """
 
+import ctypes
 import logging
 import os
 import queue
@@ -15,8 +16,9 @@ import uuid
 
 from django.conf import settings
 
-from inference import backends, metrics, registry, streamlog
+from inference import backends, metrics, model_files, registry, streamlog
 from inference.worker.engine import Engine, Request, SamplingParams, loader
+from inference.worker.engine.llama import LlamaRunner, drop_model_matrices
 
 log = logging.getLogger(__name__)
 _loops = {}
@@ -201,16 +203,31 @@ class EngineLoop(threading.Thread):
 
 
 def build_engine(lm):
+    model_dtype = str(getattr(lm.model, "dtype", "float32")).removeprefix("torch.")  # the echo model has none
+    kv_dtype = model_files.kv_dtype(settings.TOKSTREAM_KV_DTYPE, settings.TOKSTREAM_WEIGHTS, model_dtype)
     engine = Engine.for_model(
         lm,
-        settings.TOKSTREAM_KV_CACHE_TOKENS,
+        registry.kv_cache_tokens(lm.name),  # as admission counts them
         max_running=settings.TOKSTREAM_MAX_RUNNING,
         step_tokens=settings.TOKSTREAM_STEP_TOKENS,
         weights=settings.TOKSTREAM_WEIGHTS,
         formats_file=formats_file(lm),
+        kv_dtype=kv_dtype,
     )
+    if isinstance(engine.runner, LlamaRunner):
+        drop_model_matrices(lm.model, engine.runner.weights)
     warm_up(engine)
+    give_back_freed_memory()
     return engine
+
+
+def give_back_freed_memory():
+    """Laying the weights out frees hundreds of megabytes of temporaries that glibc's malloc
+    would otherwise keep mapped (resident) for good."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def formats_file(lm):

@@ -29,8 +29,8 @@ DEADLINE = 20  # seconds a request may wait for a worker, in this test
 @pytest.fixture
 def one_slot(django_db_setup, django_db_blocker, redis_client):
     # One decode slot and a 20 s deadline, so that a second request waits past its deadline
-    # within the test (shipped: 32 slots, 600 s); room in the cache for a reply that outlasts it.
-    options = dict(TOKSTREAM_MAX_RUNNING="1", TOKSTREAM_QUEUE_TIMEOUT=str(DEADLINE), TOKSTREAM_KV_CACHE_TOKENS="8192")
+    # within the test (shipped: 32 slots, 600 s).
+    options = dict(TOKSTREAM_MAX_RUNNING="1", TOKSTREAM_QUEUE_TIMEOUT=str(DEADLINE))
     with separate_service(django_db_blocker, 4, **options) as service:
         yield service
 

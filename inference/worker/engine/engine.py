@@ -18,6 +18,7 @@ from enum import Enum
 
 import torch
 
+from inference import model_files
 from inference.protocol.entries import FinishReason
 
 from . import formats
@@ -30,7 +31,7 @@ from .kv_manager import KVCacheManager
 from .llama import LlamaRunner
 from .output_processor import OutputProcessor
 from .sampling import SamplingParams, make_generator, sample
-from .scheduler import Scheduler
+from .scheduler import DRAFT_LENGTH, Scheduler
 from .speculative import Drafter, accepted, verdict_greedy, verdict_sampled
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class Request:
     steered_tokens: int = 0
     blocks: list[int] = field(default_factory=list)
     reserved: int = 0  # blocks reserved and not yet allocated
+    preemptions: int = 0  # times it gave its blocks back for want of room, to be computed again
+    recompute_end: int = 0  # tokens of all_ids computed before it was last preempted
     finish_reason: str | None = None
     error: str | None = None
     arrived_at: float | None = None
@@ -127,16 +130,17 @@ def merged(earlier, later):
 
 class Engine:
     @classmethod
-    def for_model(cls, lm, cache_tokens, block_size=BLOCK_SIZE, weights="auto", formats_file=None, **options):
-        """An engine over a loaded model, with a KV cache of `cache_tokens` tokens, computing
-        with `weights` in that format (`auto`: the one measured fastest here within the quality
-        bound, kept in `formats_file`: formats.py)."""
+    def for_model(cls, lm, cache_tokens, block_size=BLOCK_SIZE, weights="auto", formats_file=None, kv_dtype="auto", **options):
+        """An engine over a loaded model, with a KV cache of `cache_tokens` tokens in `kv_dtype`
+        (`auto`: model_files.kv_dtype), computing with `weights` in that format (`auto`: the one
+        measured fastest here within the quality bound, kept in `formats_file`: formats.py)."""
         if isinstance(lm.model, EchoModel):
             runner = EchoRunner(lm.model, cache_tokens, block_size)
         else:
+            kv_dtype = getattr(torch, model_files.kv_dtype(kv_dtype, weights, str(lm.model.dtype).removeprefix("torch.")))
             if weights == "auto":
                 weights = formats.chosen(lm.model, lm.tokenizer, lm.device, formats_file)
-            pool = BlockPool.for_model(lm.model.config, cache_tokens, block_size, lm.model.dtype, lm.device)
+            pool = BlockPool.for_model(lm.model.config, cache_tokens, block_size, kv_dtype, lm.device)
             runner = LlamaRunner(lm.model, pool, lm.device, lm.context_length, weights)
         return cls(runner, lm.tokenizer, lm.stop_ids, lm.context_length, **options)
 
@@ -193,7 +197,7 @@ class Engine:
     def step(self):
         outputs = self._apply_cancels()
         self._drop_finished()
-        outputs += self._apply_steers() + self._admit()
+        outputs += self._apply_steers() + self._make_room() + self._admit()
         scheduled = self.scheduler.schedule(self.running)
         if scheduled:
             self.stats["steps"] += 1
@@ -261,6 +265,45 @@ class Engine:
         request.steered_tokens += len(ids)
         return self._output(request, steered=text)
 
+    def _make_room(self):
+        """Blocks for every running sequence's next step, drafts included. Where the cache has
+        none left, the request that started last gives its blocks back and waits at the head
+        of the queue to be computed again (vLLM's preemption by recompute): its keys and values
+        come out the same (one numeric path), so its reply does not change; only its time does.
+        A request that would have to preempt itself while alone fails rather than spin."""
+        outputs = []
+        for request in list(self.running):
+            if request.status is RequestStatus.FINISHED or request.beam is not None or request not in self.running:
+                continue
+            while not self.kv.top_up(request, self._next_step_tokens(request)):
+                victim = next(r for r in reversed(self.running) if r.beam is None and r.status is not RequestStatus.FINISHED)
+                if victim is request and len(self.running) == 1:
+                    outputs.append(self._finish(request, FinishReason.ERROR, error="the KV cache ran out: raise TOKSTREAM_KV_CACHE_MB"))
+                    break
+                self._preempt(victim)
+                if victim is request:
+                    break
+        return outputs
+
+    def _next_step_tokens(self, request):
+        """Tokens the sequence holds after its next step: its pending ones and, once it decodes,
+        room for drafts (never beyond its worst case)."""
+        if request.pending() > 1:
+            return len(request.all_ids)
+        limit = len(request.all_ids) - len(request.output_ids) + request.params.max_tokens
+        return min(len(request.all_ids) + DRAFT_LENGTH, limit, self.context_length)
+
+    def _preempt(self, request):
+        self.kv.free(request)  # its full computed blocks stay in the prefix cache: the recompute may find them
+        request.recompute_end = max(request.recompute_end, request.computed)
+        request.computed = 0
+        request.status = RequestStatus.WAITING
+        request.preemptions += 1
+        self.stats["preemptions"] += 1
+        self.running.remove(request)
+        with self._lock:
+            self.waiting.appendleft(request)
+
     def _admit(self):
         """Start waiting requests, first come first served; returns those that can never fit."""
         refused = []
@@ -287,12 +330,19 @@ class Engine:
         return None
 
     def _reserve(self, request):
-        if not self.kv.admit(request):
+        """Blocks for the request now, leaving a block for each running sequence to grow into."""
+        if not self.kv.admit(request, headroom=len(self.running)):
             return False
-        self.stats["cached_prompt_tokens"] += request.cached_tokens
+        if not request.preemptions:
+            request.cached_tokens = request.prefilled = request.computed
+            self.stats["cached_prompt_tokens"] += request.cached_tokens
         return True
 
     def _start(self, request):
+        if request.preemptions:  # it keeps its sequence, its text so far and its generator
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            return
         request.status = RequestStatus.RUNNING
         request.started_at = self.clock()
         request.all_ids = list(request.prompt_ids)
@@ -326,7 +376,8 @@ class Engine:
     def _account(self, request, chunk):
         """Count the chunk's prompt tokens in; -> whether the request now takes a token."""
         end = chunk.start + (1 if chunk.all_logits else len(chunk.token_ids))
-        consumed = request.generated[chunk.start : end].count(False)
+        # Tokens computed again after a preemption were consumed once: they count once.
+        consumed = request.generated[max(chunk.start, request.recompute_end) : end].count(False)
         request.prefilled += consumed
         self.stats["computed_prompt_tokens"] += consumed
         request.computed = end

@@ -4,6 +4,7 @@ A format is a candidate only where its kernels give a token's row the same numbe
 else travels in the step (checked here, on this CPU), and only within PERPLEXITY_BOUND of the
 model's own dtype on a fixed evaluation text (eval_text.txt, teacher-forced). Among those,
 `auto` takes the format whose linear layers run fastest for one stream and for 32 at once.
+The quality figures are taken through the KV cache's dtype that each format gets.
 Timings taken while something else holds the CPUs are not measurements, so the formats are
 timed in turns, round after round, until two rounds agree; the result is written to a file
 that every later start reads, and only `manage.py measure_weights` measures again.
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from inference import model_files
+
 from .kv_cache import BlockPool
 from .llama import FORMATS, LlamaRunner, LlamaWeights
 from .runner import Chunk
@@ -31,6 +34,7 @@ BATCHES = (1, 32)  # one stream is bound by weight bytes, 32 by arithmetic
 MAX_ROUNDS = 8
 MARGIN = 0.10  # formats this close are a tie that noise could decide either way
 EVAL_CHUNK = 512
+METHOD = 2  # how the figures are taken; 2: through the KV cache's dtype each format gets
 
 
 class Unmeasured(Exception):
@@ -58,7 +62,7 @@ def machine_key(model, device):
     except (OSError, IndexError):
         pass
     config = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
-    parts = [config, str(device), torch.__version__, str(torch.get_num_threads()), cpu]
+    parts = [config, str(device), torch.__version__, str(torch.get_num_threads()), cpu, f"method {METHOD}"]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -132,10 +136,12 @@ def describe(report):
 
 
 @torch.inference_mode()
-def teacher_forced(model, tokenizer, device, fmt):
-    """The evaluation text through the format, every position's logits: [tokens - 1, V]."""
+def teacher_forced(model, tokenizer, device, fmt, kv_dtype="auto"):
+    """The evaluation text through the format and a KV cache in `kv_dtype` (`auto`: the one
+    that the format gets, model_files.kv_dtype), every position's logits: [tokens - 1, V]."""
     ids = tokenizer.encode(EVAL_TEXT.read_text(), add_special_tokens=False)
-    pool = BlockPool.for_model(model.config, len(ids) + 16, 16, model.dtype, device)
+    kv_dtype = getattr(torch, model_files.kv_dtype(kv_dtype, fmt, own_format(model)))
+    pool = BlockPool.for_model(model.config, len(ids) + 16, 16, kv_dtype, device)
     runner = LlamaRunner(model, pool, device, max(len(ids) + 1, 2), fmt)
     blocks = list(range(pool.num_blocks))
     pieces = [runner.forward([Chunk(ids[s : s + EVAL_CHUNK], s, blocks, "eval", all_logits=True)]) for s in range(0, len(ids), EVAL_CHUNK)]

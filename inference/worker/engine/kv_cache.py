@@ -13,11 +13,9 @@ from collections import OrderedDict
 
 import torch
 
+from inference.model_files import head_dim_of
+
 BLOCK_SIZE = 16
-
-
-def head_dim_of(config):
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def block_hashes(token_ids, block_size):

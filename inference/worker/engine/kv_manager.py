@@ -1,9 +1,11 @@
 """Every KV-cache reservation the engine makes, in one place.
 
-A request reserves its worst case when it is admitted (its prompt and every token it may
-produce; for beams, the prompt's full blocks once and the rest per beam), so a running sequence
-never runs out of blocks. Blocks are taken from that reservation as the sequence grows
-(`grow`), steering reserves its own (`reserve_steering`), beams fork by sharing blocks and
+A request takes blocks as it grows: its prompt's when it is admitted, then a block at a time
+as it decodes (`top_up` before each step, with room for drafts). When the cache has none left,
+the engine preempts the request that started last: it gives its blocks back and waits to be
+computed again (engine.py). A beam search still reserves its worst case when admitted (the
+prompt's full blocks once and the rest per beam), since its beams fork and share blocks as
+they go; steering reserves its own (`reserve_steering`), beams fork by sharing blocks and
 copying the last partial one (`fork`), and `free` gives everything back, keeping the full
 computed blocks in the prefix cache.
 """
@@ -29,22 +31,36 @@ class KVCacheManager:
     def never_fits(self, request):
         return self.worst_case(request) > self.pool.num_blocks
 
-    def admit(self, request):
-        """Reuse cached prefix blocks, then reserve the rest of the worst case; -> whether it fits."""
-        prompt, worst = request.prompt_ids, self.worst_case(request)
-        # The last prompt token is always computed: its logits give the first output token.
-        if request.prompt_hashes is None:  # once: a head that waits for room asks every step
-            request.prompt_hashes = block_hashes(prompt[:-1], self.block_size)
-        cached = self.pool.lookup(request.prompt_hashes)
-        if not self.pool.reserve(worst - len(cached)):
+    def admit(self, request, headroom=0):
+        """Reuse cached prefix blocks, then take the blocks the sequence needs now, leaving
+        `headroom` blocks for the running sequences to grow into; -> whether it fits. A
+        preempted request comes back with its whole sequence to compute again."""
+        sequence = request.all_ids or request.prompt_ids
+        # The last token is always computed: its logits give the next output token.
+        if request.all_ids:
+            hashes = block_hashes(sequence[:-1], self.block_size)
+        else:  # once: a head that waits for room asks every step
+            request.prompt_hashes = request.prompt_hashes or block_hashes(sequence[:-1], self.block_size)
+            hashes = request.prompt_hashes
+        cached = self.pool.lookup(hashes)
+        beams = request.params.beam_width > 1
+        need = self.worst_case(request) if beams else math.ceil((len(sequence) + 1) / self.block_size)
+        if need - len(cached) > self.pool.available() - headroom or not self.pool.reserve(need - len(cached)):
             self.pool.release(cached)
             return False
-        # Take the whole worst case now: in one go, its blocks are neighbours in memory.
         # Beams fork as they go: they take the prompt's blocks and keep the rest reserved.
-        now = math.ceil(len(prompt) / self.block_size) if request.params.beam_width > 1 else worst
+        now = math.ceil(len(sequence) / self.block_size) if beams else need
         request.blocks = cached + [self.pool.allocate() for _ in range(now - len(cached))]
-        request.reserved = worst - now
-        request.computed = request.cached_tokens = request.prefilled = len(cached) * self.block_size
+        request.reserved = need - now
+        request.computed = len(cached) * self.block_size
+        return True
+
+    def top_up(self, request, tokens):
+        """Blocks (taken now) for `tokens` tokens of the sequence; -> whether the cache had them."""
+        missing = math.ceil(tokens / self.block_size) - len(request.blocks) - request.reserved
+        if missing > 0 and not self.pool.reserve(missing):
+            return False
+        request.reserved += max(missing, 0)
         return True
 
     def room(self, request):
@@ -52,7 +68,8 @@ class KVCacheManager:
         return (len(request.blocks) + request.reserved) * self.block_size - len(request.all_ids)
 
     def grow(self, request, table, end):
-        """Blocks from the request's reservation until the table covers `end` tokens."""
+        """Blocks from the request's reservation (admission and top_up made it) until the
+        table covers `end` tokens."""
         while len(table) * self.block_size < end:
             table.append(self.pool.allocate())
             request.reserved -= 1

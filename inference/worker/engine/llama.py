@@ -9,7 +9,8 @@ matrix product per projection for every token of the step, and no module calls.
 import torch
 import torch.nn.functional as F
 
-from .kv_cache import head_dim_of
+from inference.model_files import head_dim_of
+
 from .runner import AttentionPlan, PagedAttention
 
 INT4_GROUP = 32  # the GGUF's own Q4_1 blocks are 32 weights with a scale and a minimum
@@ -115,15 +116,23 @@ def fused(modules, share):
     return weight, None if biases[0] is None else torch.cat(biases).detach()
 
 
+def own(tensor, share):
+    """The model's tensor itself, or (in another format) a copy of its own: the model's file
+    stays mapped while any tensor reads it, and drop_model_matrices frees the rest."""
+    if tensor is None:
+        return None
+    return tensor.detach() if share else tensor.detach().clone()
+
+
 class Layer:
     def __init__(self, block, fmt):
         attn, mlp = block.self_attn, block.mlp
         share = fmt == str(attn.q_proj.weight.dtype).removeprefix("torch.")
-        self.input_norm = block.input_layernorm.weight.detach()
-        self.post_norm = block.post_attention_layernorm.weight.detach()
+        self.input_norm = own(block.input_layernorm.weight, share)
+        self.post_norm = own(block.post_attention_layernorm.weight, share)
         weight, bias = fused([attn.q_proj, attn.k_proj, attn.v_proj], share)
         self.qkv = linear(weight, fmt, bias)
-        self.o = linear(attn.o_proj.weight.detach(), fmt, attn.o_proj.bias)
+        self.o = linear(attn.o_proj.weight.detach(), fmt, own(attn.o_proj.bias, share))
         self.gate_up = linear(fused([mlp.gate_proj, mlp.up_proj], share)[0], fmt)
         self.down = linear(mlp.down_proj.weight.detach(), fmt)
 
@@ -135,8 +144,9 @@ class LlamaWeights:
         body, config = model.model, model.config
         self.format = fmt
         self.eps = config.rms_norm_eps
-        self.embed = body.embed_tokens.weight.detach()
-        self.norm = body.norm.weight.detach()
+        share = fmt == str(model.dtype).removeprefix("torch.")
+        self.embed = own(body.embed_tokens.weight, share)
+        self.norm = own(body.norm.weight, share)
         self.layers = [Layer(block, fmt) for block in body.layers]
         self.lm_head = linear(model.lm_head.weight.detach(), fmt)
 
@@ -150,6 +160,16 @@ class LlamaWeights:
 
     def linears(self):
         return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+
+
+def drop_model_matrices(model, weights):
+    """Free the transformers model's own tensors once `weights` hold everything they need in
+    another format: a worker never runs the model itself, and in float32 they are most of its
+    memory. The model then serves only its config and rotary embedding."""
+    if weights.format == str(model.dtype).removeprefix("torch."):
+        return  # the weights are views of the model's own tensors
+    for parameter in model.parameters():
+        parameter.data = parameter.data.new_empty(0)
 
 
 def rms_norm(x, weight, eps):
@@ -211,8 +231,8 @@ class LlamaRunner:
             q, k, v = layer.qkv(rms_norm(x, layer.input_norm, w.eps)).split(sizes, dim=-1)
             q = rotate(q.view(n, self.heads, self.head_dim), cos, sin)
             k = rotate(k.view(n, self.kv_heads, self.head_dim), cos, sin)
-            self.pool.k[index].index_copy_(0, plan.slots, k)
-            self.pool.v[index].index_copy_(0, plan.slots, v.view(n, self.kv_heads, self.head_dim))
+            self.pool.k[index].index_copy_(0, plan.slots, k.to(self.pool.k.dtype))
+            self.pool.v[index].index_copy_(0, plan.slots, v.view(n, self.kv_heads, self.head_dim).to(self.pool.v.dtype))
             x = x + layer.o(self.attention(index, q, plan))
             gate, up = layer.gate_up(rms_norm(x, layer.post_norm, w.eps)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)

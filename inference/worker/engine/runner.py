@@ -95,13 +95,19 @@ class PagedAttention:
         self.device = device
         self.workspace = {}
 
-    def gather(self, cache, blocks, name):
-        """cache[blocks] into a reused buffer: a fresh multi-megabyte tensor per layer costs
-        more in page faults than the copy itself."""
+    def buffer(self, name, like, count, dtype):
+        """A reused buffer of `count` blocks: a fresh multi-megabyte tensor per layer costs more
+        in page faults than the copy into it."""
         buffer = self.workspace.get(name)
-        if buffer is None or buffer.shape[0] < len(blocks):
-            buffer = self.workspace[name] = cache.new_empty((max(len(blocks), 64), *cache.shape[1:]))
-        return torch.index_select(cache, 0, blocks, out=buffer[: len(blocks)])
+        if buffer is None or buffer.shape[0] < count:
+            buffer = self.workspace[name] = like.new_empty((max(count, 64), *like.shape[1:]), dtype=dtype)
+        return buffer[:count]
+
+    def gather(self, cache, blocks, name, dtype):
+        """cache[blocks] in `dtype`: a 16-bit cache is read in the queries' dtype, so the
+        products are the same whichever dtype the cache keeps."""
+        stored = torch.index_select(cache, 0, blocks, out=self.buffer(name, cache, len(blocks), cache.dtype))
+        return stored if cache.dtype == dtype else self.buffer(f"{name}-wide", cache, len(blocks), dtype).copy_(stored)
 
     def __call__(self, layer, q, plan):
         """q: [N, Hq, D] -> [N, Hq * D]."""
@@ -122,8 +128,8 @@ class PagedAttention:
         exactly zero, so padding to a longer neighbour changes nothing."""
         rows, kv_heads = len(q), self.kv_heads
         shape = (group.blocks.shape[0], -1, kv_heads, self.head_dim)
-        keys = self.gather(k_cache, group.blocks.flatten(), "k").view(shape)  # [B or 1, C, Hkv, D]
-        values = self.gather(v_cache, group.blocks.flatten(), "v").view(shape)
+        keys = self.gather(k_cache, group.blocks.flatten(), "k", q.dtype).view(shape)  # [B or 1, C, Hkv, D]
+        values = self.gather(v_cache, group.blocks.flatten(), "v", q.dtype).view(shape)
         q = q.view(rows, kv_heads, -1, self.head_dim)  # [B, Hkv, G, D]
         out = torch.empty_like(q)
         for head in range(kv_heads):  # a head's keys are a strided view: no copies

@@ -1,0 +1,104 @@
+"""The worker's resident memory on its shipped defaults, and what the KV cache's dtype costs.
+
+    .venv/bin/python bench/memory.py [--streams 32] [--tokens 256] [--tree DIR] [--quality]
+
+(a) In a fresh process per figure: loads the default model as the worker does (loops.load and
+    loops.build_engine, with the shipped settings), then runs `streams` greedy requests at once
+    for `tokens` tokens each, and prints the peak resident set (VmHWM) after the start and after
+    the streams, and the resident set (VmRSS) at both points. `--tree` runs the worker code of another checkout (an older commit in a git
+    worktree), so before and after come from one command.
+(b) With `--quality`: the evaluation text teacher-forced through each weight format with its KV
+    cache in float32 and in bfloat16: perplexity, and top-1 agreement with float32 weights and
+    a float32 cache.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPICS = ["tea", "the sea", "volcanoes", "chess", "bread", "owls", "trains", "glass"]
+
+
+def status_mb(field):
+    """VmHWM: the peak resident set so far; VmRSS: the resident set now."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) // 1024
+    return None
+
+
+def worker_figures(streams, tokens):
+    """Runs inside the child: the worker's engine on the shipped settings."""
+    import django
+
+    django.setup()
+    from django.conf import settings
+
+    from inference.worker import loops
+    from inference.worker.engine import Request, SamplingParams
+
+    name = next(n for n, entry in settings.TOKSTREAM_MODELS.items() if entry["source"].startswith("package:"))  # the shipped model
+    engine = loops.build_engine(loops.load(name))
+    started = {"resident after the start MB": status_mb("VmRSS"), "peak during the start MB": status_mb("VmHWM")}
+    tokenizer = engine.tokenizer
+    for i in range(streams):
+        text = f"Write a long essay about {TOPICS[i % len(TOPICS)]}." + " Be thorough." * (i % 7)
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        engine.add(Request(f"r{i}", prompt, SamplingParams(max_tokens=tokens, temperature=0, logit_bias={0: -1e9, 1: -1e9, 2: -1e9})))
+    while engine.has_work():
+        engine.step()
+    pool = engine.pool
+    cache_mb = (pool.k.numel() + pool.v.numel()) * pool.k.element_size() // 2**20
+    return {
+        **started,
+        "resident after the streams MB": status_mb("VmRSS"),
+        "peak MB": status_mb("VmHWM"),
+        "KV cache MB": cache_mb,
+        "KV dtype": str(pool.k.dtype),
+        "preemptions": engine.stats["preemptions"],
+    }
+
+
+def measure_tree(tree, streams, tokens):
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tokstream_site.settings", "TOKSTREAM_CACHE_DIR": str(ROOT / ".cache")}
+    code = f"import sys, json; sys.path.insert(0, {str(tree)!r}); sys.path.insert(1, {str(ROOT / 'bench')!r}); import memory; print(json.dumps(memory.worker_figures({streams}, {tokens})))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def quality():
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from inference.worker.engine import formats, loader
+
+    lm = loader.load("smollm2-135m-instruct", ROOT / ".cache" / "models" / "smollm2-135m-instruct", torch.device("cpu"), "float32")
+    reference = None
+    for fmt in ("float32", "bfloat16", "int4"):
+        for kv in ("float32", "bfloat16"):
+            logits, targets = formats.teacher_forced(lm.model, lm.tokenizer, lm.device, fmt, kv)
+            picks = logits.argmax(-1)
+            reference = picks if reference is None else reference
+            perplexity = float(torch.exp(torch.nn.functional.cross_entropy(logits, targets)))
+            print(f"weights {fmt:9} KV {kv:9} perplexity {perplexity:.4f}  top-1 vs float32 {float((picks == reference).float().mean()):.4f}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--tree", action="append", default=[], help="another checkout to measure first (repeatable)")
+    parser.add_argument("--quality", action="store_true")
+    args = parser.parse_args()
+    for tree in [*args.tree, str(ROOT)]:
+        print(tree if tree != str(ROOT) else "this tree", measure_tree(Path(tree), args.streams, args.tokens), flush=True)
+    if args.quality:
+        quality()
+
+
+if __name__ == "__main__":
+    main()
