@@ -4,9 +4,11 @@
 
 (a) In a fresh process per figure: loads the default model as the worker does (loops.load and
     loops.build_engine, with the shipped settings), then runs `streams` greedy requests at once
-    for `tokens` tokens each, and prints the peak resident set (VmHWM) after the start and after
-    the streams, and the resident set (VmRSS) at both points. `--tree` runs the worker code of another checkout (an older commit in a git
-    worktree), so before and after come from one command.
+    for `tokens` tokens each, and prints the peak resident set (VmHWM) and the resident set
+    (VmRSS) after the start and after the streams; and the tokens per second of one stream,
+    then of `streams` together (prefill included). `--tree` runs the worker code of another
+    checkout (an older commit in a git worktree) first, so before and after come from one
+    command; each tree keeps its measured weight format in its own data directory.
 (b) With `--quality`: the evaluation text teacher-forced through each weight format with its KV
     cache in float32 and in bfloat16: perplexity, and top-1 agreement with float32 weights and
     a float32 cache.
@@ -17,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,13 +47,8 @@ def worker_figures(streams, tokens):
     name = next(n for n, entry in settings.TOKSTREAM_MODELS.items() if entry["source"].startswith("package:"))  # the shipped model
     engine = loops.build_engine(loops.load(name))
     started = {"resident after the start MB": status_mb("VmRSS"), "peak during the start MB": status_mb("VmHWM")}
-    tokenizer = engine.tokenizer
-    for i in range(streams):
-        text = f"Write a long essay about {TOPICS[i % len(TOPICS)]}." + " Be thorough." * (i % 7)
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        engine.add(Request(f"r{i}", prompt, SamplingParams(max_tokens=tokens, temperature=0, logit_bias={0: -1e9, 1: -1e9, 2: -1e9})))
-    while engine.has_work():
-        engine.step()
+    one = tokens_per_second(engine, 1, tokens, Request, SamplingParams)
+    many = tokens_per_second(engine, streams, tokens, Request, SamplingParams)
     pool = engine.pool
     cache_mb = (pool.k.numel() + pool.v.numel()) * pool.k.element_size() // 2**20
     return {
@@ -60,11 +58,30 @@ def worker_figures(streams, tokens):
         "KV cache MB": cache_mb,
         "KV dtype": str(pool.k.dtype),
         "preemptions": engine.stats["preemptions"],
+        "tokens/s, 1 stream": round(one, 1),
+        f"tokens/s, {streams} streams": round(many, 1),
     }
 
 
+def tokens_per_second(engine, streams, tokens, Request, SamplingParams):
+    """Greedy streams of `tokens` tokens each, started together: their tokens over the time."""
+    for i in range(streams):
+        text = f"Write a long essay about {TOPICS[i % len(TOPICS)]}." + " Be thorough." * (i % 7)
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        engine.add(Request(f"{streams}-{i}", prompt, SamplingParams(max_tokens=tokens, temperature=0, logit_bias={0: -1e9, 1: -1e9, 2: -1e9})))
+    start = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return streams * tokens / (time.perf_counter() - start)
+
+
 def measure_tree(tree, streams, tokens):
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tokstream_site.settings", "TOKSTREAM_CACHE_DIR": str(ROOT / ".cache")}
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tokstream_site.settings",
+        "TOKSTREAM_CACHE_DIR": str(tree / ".cache"),
+        "TOKSTREAM_MODEL_CACHE": str(ROOT / ".cache" / "models"),
+    }
     code = f"import sys, json; sys.path.insert(0, {str(tree)!r}); sys.path.insert(1, {str(ROOT / 'bench')!r}); import memory; print(json.dumps(memory.worker_figures({streams}, {tokens})))"
     out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])

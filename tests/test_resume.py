@@ -96,6 +96,13 @@ def test_a_malformed_last_event_id_is_refused(live_service, api_key, finished, b
     assert json.loads(body)["error"]["param"] == "last_event_id"
 
 
+@pytest.mark.parametrize("bad", ["１-０", "١-٠", "1-0\n", "1-０.1"])
+def test_a_last_event_id_in_other_digits_is_refused_before_anything_streams(live_service, api_key, finished, bad):
+    status, body = replay(live_service, api_key, finished[0][1]["id"], last_event_id=bad)  # as a query parameter: headers are ASCII
+    assert status == 400
+    assert json.loads(body)["error"]["param"] == "last_event_id"
+
+
 def test_a_stream_whose_model_no_worker_serves_ends_with_an_error(live_service, api_key, redis_client):
     """A worker that died mid-request must not leave its readers waiting for ever."""
     key = ApiKey.authenticate(api_key)

@@ -136,13 +136,15 @@ def tool_calls(entries):
 
 
 MAX_STREAM_SEQ = 2**64 - 1
-EVENT_ID = re.compile(r"^(\d{1,20})-(\d{1,20})(\.\d{1,4})?$")
+# ASCII digits only, the whole value: \d takes any Unicode digit (full-width １ passed, and then
+# Redis refused the id mid-stream) and $ a trailing newline.
+EVENT_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})(\.[0-9]{1,4})?")
 
 
 def valid_event_id(value):
     """An id this service could have sent: a Redis stream id (two 64-bit numbers, not 0-0),
     with an optional event number within the entry."""
-    match = EVENT_ID.match(value)
+    match = EVENT_ID.fullmatch(value)
     if not match:
         return False
     ms, seq = int(match[1]), int(match[2])

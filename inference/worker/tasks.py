@@ -7,10 +7,12 @@ so no client is left waiting.
 import logging
 import os
 import queue
+import threading
 import time
 
 from celery import shared_task
 from celery.signals import task_received, worker_ready, worker_shutdown
+from celery.worker import state as worker_state
 from django.conf import settings
 
 from inference import lifecycle, registry, streamlog, upstream
@@ -238,16 +240,32 @@ def upstream_billing(relay, counted_prompt, counted_completion):
 @worker_ready.connect
 def load_models(**kwargs):
     # Load every model before the first task arrives, once per worker process (threads pool).
+    # Celery's SIGTERM and SIGQUIT handlers only set a flag that its main loop reads, and this
+    # handler holds the main thread: the load runs in a thread while this one watches the flag.
     # Celery logs and swallows a signal handler's exception; a worker without its model must
     # not stay up taking tasks, so it exits.
+    log.info("loading the models: %s", ", ".join(registry.names()))
+    failed = []
+    loading = threading.Thread(target=load_every_model, args=(failed,), name="load models", daemon=True)
+    loading.start()
+    while loading.is_alive():
+        loading.join(0.2)
+        if worker_state.should_stop is not None or worker_state.should_terminate is not None:
+            log.warning("asked to stop while loading the models: stopping before taking any task")
+            os._exit(0)
+    if failed:
+        log.critical("the worker could not load its models", exc_info=failed[0])
+        os._exit(3)
+    Sweeper().start()
+
+
+def load_every_model(failed):
     try:
         forget_stopped_here(streamlog.sync_client())
         for name in registry.names():
             engine_loop(name)
-    except Exception:
-        log.critical("the worker could not load its models", exc_info=True)
-        os._exit(3)
-    Sweeper().start()
+    except Exception as exc:
+        failed.append(exc)
 
 
 @worker_shutdown.connect
