@@ -56,7 +56,8 @@ class KVCacheManager:
         return True
 
     def top_up(self, request, tokens):
-        """Blocks (taken now) for `tokens` tokens of the sequence; -> whether the cache had them."""
+        """Blocks reserved for `tokens` tokens of the sequence (taken as it grows into them);
+        -> whether the cache had them."""
         missing = math.ceil(tokens / self.block_size) - len(request.blocks) - request.reserved
         if missing > 0 and not self.pool.reserve(missing):
             return False
