@@ -42,13 +42,12 @@ def worker_figures(streams, tokens):
     from django.conf import settings
 
     from inference.worker import loops
-    from inference.worker.engine import Request, SamplingParams
 
     name = next(n for n, entry in settings.TOKSTREAM_MODELS.items() if entry["source"].startswith("package:"))  # the shipped model
     engine = loops.build_engine(loops.load(name))
     started = {"resident after the start MB": status_mb("VmRSS"), "peak during the start MB": status_mb("VmHWM")}
-    one = tokens_per_second(engine, 1, tokens, Request, SamplingParams)
-    many = tokens_per_second(engine, streams, tokens, Request, SamplingParams)
+    one = tokens_per_second(engine, 1, tokens)
+    many = tokens_per_second(engine, streams, tokens)
     pool = engine.pool
     cache_mb = (pool.k.numel() + pool.v.numel()) * pool.k.element_size() // 2**20
     return {
@@ -63,8 +62,10 @@ def worker_figures(streams, tokens):
     }
 
 
-def tokens_per_second(engine, streams, tokens, Request, SamplingParams):
+def tokens_per_second(engine, streams, tokens):
     """Greedy streams of `tokens` tokens each, started together: their tokens over the time."""
+    from inference.worker.engine import Request, SamplingParams
+
     for i in range(streams):
         text = f"Write a long essay about {TOPICS[i % len(TOPICS)]}." + " Be thorough." * (i % 7)
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)

@@ -16,7 +16,7 @@ import uuid
 
 from django.conf import settings
 
-from inference import backends, metrics, model_files, registry, streamlog
+from inference import backends, metrics, registry, streamlog
 from inference.worker.engine import Engine, Request, SamplingParams, loader
 from inference.worker.engine.llama import LlamaRunner, drop_model_matrices
 
@@ -203,8 +203,6 @@ class EngineLoop(threading.Thread):
 
 
 def build_engine(lm):
-    model_dtype = str(getattr(lm.model, "dtype", "float32")).removeprefix("torch.")  # the echo model has none
-    kv_dtype = model_files.kv_dtype(settings.TOKSTREAM_KV_DTYPE, settings.TOKSTREAM_WEIGHTS, model_dtype)
     engine = Engine.for_model(
         lm,
         registry.kv_cache_tokens(lm.name),  # as admission counts them
@@ -212,7 +210,7 @@ def build_engine(lm):
         step_tokens=settings.TOKSTREAM_STEP_TOKENS,
         weights=settings.TOKSTREAM_WEIGHTS,
         formats_file=formats_file(lm),
-        kv_dtype=kv_dtype,
+        kv_dtype=settings.TOKSTREAM_KV_DTYPE,
     )
     if isinstance(engine.runner, LlamaRunner):
         drop_model_matrices(lm.model, engine.runner.weights)

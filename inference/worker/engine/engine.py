@@ -137,7 +137,7 @@ class Engine:
         if isinstance(lm.model, EchoModel):
             runner = EchoRunner(lm.model, cache_tokens, block_size)
         else:
-            kv_dtype = getattr(torch, model_files.kv_dtype(kv_dtype, weights, str(lm.model.dtype).removeprefix("torch.")))
+            kv_dtype = getattr(torch, model_files.kv_dtype(kv_dtype, weights, formats.own_format(lm.model)))
             if weights == "auto":
                 weights = formats.chosen(lm.model, lm.tokenizer, lm.device, formats_file)
             pool = BlockPool.for_model(lm.model.config, cache_tokens, block_size, kv_dtype, lm.device)
@@ -273,12 +273,13 @@ class Engine:
         A request that would have to preempt itself while alone fails rather than spin."""
         outputs = []
         for request in list(self.running):
-            if request.status is RequestStatus.FINISHED or request.beam is not None or request not in self.running:
+            if request.status is not RequestStatus.RUNNING or request.beam is not None:  # preempted, failed, or a beam search (its worst case is held)
                 continue
             while not self.kv.top_up(request, self._next_step_tokens(request)):
-                victim = next(r for r in reversed(self.running) if r.beam is None and r.status is not RequestStatus.FINISHED)
+                victim = next(r for r in reversed(self.running) if r.beam is None)
                 if victim is request and len(self.running) == 1:
                     outputs.append(self._finish(request, FinishReason.ERROR, error="the KV cache ran out: raise TOKSTREAM_KV_CACHE_MB"))
+                    self.running.remove(request)  # not to be scheduled this step
                     break
                 self._preempt(victim)
                 if victim is request:
@@ -339,11 +340,12 @@ class Engine:
         return True
 
     def _start(self, request):
-        if request.preemptions:  # it keeps its sequence, its text so far and its generator
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            return
         request.status = RequestStatus.RUNNING
+        if not request.preemptions:  # a preempted one keeps its sequence, its text so far and its generator
+            self._begin(request)
+        self.running.append(request)
+
+    def _begin(self, request):
         request.started_at = self.clock()
         request.all_ids = list(request.prompt_ids)
         request.generated = [False] * len(request.prompt_ids)
@@ -353,7 +355,6 @@ class Engine:
             room = min(request.params.max_tokens, self.context_length - len(request.prompt_ids))
             stops = self.stop_ids | set(request.params.stop_token_ids)
             request.beam = BeamSearch(request.params.beam_width, room, stops)
-        self.running.append(request)
 
     def _after_step(self, scheduled, logits):
         """One output per sequence; a beam search's rows go together to its next beam step."""

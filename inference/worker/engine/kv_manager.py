@@ -40,14 +40,16 @@ class KVCacheManager:
         if request.all_ids:
             hashes = block_hashes(sequence[:-1], self.block_size)
         else:  # once: a head that waits for room asks every step
-            request.prompt_hashes = request.prompt_hashes or block_hashes(sequence[:-1], self.block_size)
+            if request.prompt_hashes is None:
+                request.prompt_hashes = block_hashes(sequence[:-1], self.block_size)
             hashes = request.prompt_hashes
         cached = self.pool.lookup(hashes)
         beams = request.params.beam_width > 1
         need = self.worst_case(request) if beams else math.ceil((len(sequence) + 1) / self.block_size)
-        if need - len(cached) > self.pool.available() - headroom or not self.pool.reserve(need - len(cached)):
+        if need - len(cached) > self.pool.available() - headroom:
             self.pool.release(cached)
             return False
+        self.pool.reserve(need - len(cached))
         # Beams fork as they go: they take the prompt's blocks and keep the rest reserved.
         now = math.ceil(len(sequence) / self.block_size) if beams else need
         request.blocks = cached + [self.pool.allocate() for _ in range(now - len(cached))]
