@@ -69,9 +69,10 @@ def body(content, max_tokens=64, **extra):
     }
 
 
-def record(url, key, payload, timeout=300, leave_after=None, read_delay=0.0):
+def record(url, key, payload, timeout=300, leave_after=None, read_delay=0.0, hold=None):
     """Stream one request. `leave_after`: seconds after the answer began that the client closes
-    the connection; `read_delay`: seconds the client waits before reading each next event."""
+    the connection; `read_delay`: seconds the client waits before reading each next event;
+    `hold`: called with the stream once its first text arrived, and read on when it returns."""
     stream = Stream(started=time.monotonic())
     with httpx.Client(timeout=timeout) as client:
         try:
@@ -80,14 +81,14 @@ def record(url, key, payload, timeout=300, leave_after=None, read_delay=0.0):
                 if leave_after is not None:  # a user closing the tab, whatever the server is sending
                     threading.Timer(leave_after, client.close).start()
                 if response.status_code == 200:
-                    read(response, stream, read_delay)
+                    read(response, stream, read_delay, hold)
         except (httpx.HTTPError, RuntimeError, OSError) as exc:  # RuntimeError: closed under it
             stream.failure = repr(exc)
     stream.ended_at = time.monotonic()
     return stream
 
 
-def read(response, stream, read_delay):
+def read(response, stream, read_delay, hold):
     def keepalive():
         stream.keepalives += 1
         stream.keepalives_before_text += stream.first_text_at is None
@@ -97,6 +98,8 @@ def read(response, stream, read_delay):
         stream.opened_at = stream.opened_at or time.monotonic()
         if stream.first_text_at is None and stream.text:
             stream.first_text_at = time.monotonic()
+            if hold:
+                hold(stream)
         if read_delay:
             time.sleep(read_delay)
 
