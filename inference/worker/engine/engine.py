@@ -1,10 +1,11 @@
 """The engine in the shape of vLLM v1: a waiting queue, a running set, and step().
 
-One step applies cancellations and steering, admits waiting requests whose worst case fits
-the KV cache (kv_manager.py holds every reservation), schedules one chunk per running request
+One step applies cancellations and steering, admits waiting requests whose prompt fits the
+KV cache (kv_manager.py holds every reservation), schedules one chunk per running request
 (scheduler.py: one token for a decoding request, with prompt-lookup drafts to verify where they
 pay; a piece of its prompt for a prefilling one, under the budget of budget.py), runs one batched forward
-pass (llama.py), samples every sequence with one transfer to the host, and turns each new
+pass (llama.py), chooses every sequence's token together (sampling.choose) and moves them to the
+host in one transfer, and turns each new
 token into text and endings (output_processor.py): one Output per request that produced text
 or finished.
 """
@@ -30,7 +31,7 @@ from .kv_cache import BLOCK_SIZE, BlockPool
 from .kv_manager import KVCacheManager
 from .llama import LlamaRunner
 from .output_processor import OutputProcessor
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import NO_TOKEN, SamplingParams, adjusted, choose, make_generator, processed
 from .scheduler import DRAFT_LENGTH, Scheduler
 from .speculative import Drafter, accepted, verdict_greedy, verdict_sampled
 
@@ -390,7 +391,10 @@ class Engine:
 
     def _take_tokens(self, ready):
         """Every sequence's pick of the step, moved to the host in one transfer."""
-        verdicts = [self._verdict(request, chunk, rows) for request, chunk, rows in ready]
+        verdicts = [self._verdict(request, chunk, rows) if chunk.all_logits else None for request, chunk, rows in ready]
+        plain = [i for i, verdict in enumerate(verdicts) if verdict is None]
+        for i, pick in zip(plain, self._choose([ready[i] for i in plain])):
+            verdicts[i] = pick
         picked = [v.reshape(-1) for v in verdicts if not isinstance(v, Exception)]
         values = torch.cat(picked).tolist() if picked else []
         outputs = []
@@ -399,15 +403,39 @@ class Engine:
                 outputs.append(self._finish(request, FinishReason.ERROR, error=f"generation failed: {verdict}"))
                 continue
             mine, values = values[: verdict.numel()], values[verdict.numel() :]
+            if mine == [NO_TOKEN]:
+                outputs.append(self._finish(request, FinishReason.ERROR, error="generation failed: the model's logits were not numbers"))
+                continue
             outputs.append(self._advance(request, chunk, rows, mine))
         return outputs
 
-    def _verdict(self, request, chunk, rows):
-        """The pick as a tensor on the device (or why it failed: that request ends alone)."""
-        params, draft = request.params, chunk.token_ids[1:] if chunk.all_logits else []
+    def _choose(self, ready):
+        """The next tokens of the sequences without drafts, chosen together (sampling.choose);
+        only a request with penalties or a logit bias has its row adjusted on its own first."""
+        rows = [self._adjusted(request, rows[-1]) for request, _, rows in ready]
+        good = [i for i, row in enumerate(rows) if not isinstance(row, Exception)]
+        if good:
+            requests = [ready[i][0] for i in good]
+            logits = torch.stack([rows[i] for i in good]).float()
+            picks = choose(logits, [r.params for r in requests], [r.generator for r in requests])
+            for slot, i in enumerate(good):
+                rows[i] = picks[slot : slot + 1]
+        return rows
+
+    def _adjusted(self, request, logits):
+        """The logits the request chooses from (or why that failed: it ends alone)."""
+        if not processed(request.params):
+            return logits
         try:
-            if not draft:
-                return sample(rows[-1], params, request.generator, request.all_ids, request.output_ids)
+            return adjusted(logits, request.params, request.all_ids, request.output_ids)
+        except Exception as exc:
+            log.exception("request %s failed", request.request_id)
+            return exc
+
+    def _verdict(self, request, chunk, rows):
+        """A draft's verdict as a tensor on the device (or why it failed: that request ends alone)."""
+        params, draft = request.params, chunk.token_ids[1:]
+        try:
             if params.greedy:
                 return verdict_greedy(rows, params)
             return verdict_sampled(rows, params, draft, request.generator)
