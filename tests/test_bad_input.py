@@ -7,6 +7,7 @@ import os
 import pytest
 
 from billing.models import UsageEntry
+from inference.protocol import chat_request
 from tests import asgi
 from tests.sse import MODEL, auth, chat_body
 
@@ -59,6 +60,45 @@ def test_it_refuses_missing_or_empty_messages(post, messages):
 
 def test_it_refuses_a_message_without_a_known_role(post):
     post(json_body(model=MODEL, messages=[{"role": "wizard", "content": "hi"}]), 400, param="messages.[0].role")
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+@pytest.mark.parametrize(
+    "message,param",
+    [
+        ({"role": "user", "content": "hi", "name": 7}, "messages.[0].name"),
+        ({"role": "system", "content": "hi", "name": ["a"]}, "messages.[0].name"),
+        ({"role": "tool", "content": "Sunny.", "tool_call_id": ["call_1"]}, "messages.[0].tool_call_id"),
+        ({"role": "tool", "content": "Sunny."}, "messages.[0].tool_call_id"),
+        ({"role": "assistant", "content": None, "tool_calls": [{**CALL, "id": 1}]}, "messages.[0].tool_calls.[0].id"),
+        ({"role": "assistant", "content": None, "tool_calls": [{**CALL, "type": "code"}]}, "messages.[0].tool_calls.[0].type"),
+        (
+            {"role": "assistant", "content": None, "tool_calls": [{**CALL, "function": {"name": "f", "arguments": {"a": 1}}}]},
+            "messages.[0].tool_calls.[0].function.arguments",
+        ),
+        ({"role": "assistant", "content": None, "tool_calls": [{**CALL, "function": {"arguments": "{}"}}]}, "messages.[0].tool_calls.[0].function.name"),
+        ({"role": "assistant", "content": None, "tool_calls": CALL}, "messages.[0].tool_calls"),
+        ({"role": "assistant", "content": "no", "refusal": 3}, "messages.[0].refusal"),
+    ],
+)
+def test_it_refuses_a_message_field_of_the_wrong_type(post, message, param):
+    """As OpenAI's reference schema types them: it answers these with a 400 naming the field."""
+    error = post(json_body(model=MODEL, messages=[message]), 400, param=param)
+    assert error["message"].startswith(f"`{param}` ")
+
+
+def test_it_takes_the_message_fields_openai_defines():
+    messages = [
+        {"role": "system", "content": "Be brief.", "name": "rules"},
+        {"role": "user", "content": "Weather in Paris?", "name": "ana"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL], "refusal": None},
+        {"role": "tool", "content": "Sunny.", "tool_call_id": "call_1"},
+    ]
+    parsed = chat_request.parse(json.dumps({"model": MODEL, "messages": messages}).encode(), "application/json")
+    assert parsed.messages[2]["tool_calls"] == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+    assert [m["role"] for m in parsed.messages] == ["system", "user", "assistant", "tool"]
 
 
 def test_it_answers_404_for_an_unknown_model(post):

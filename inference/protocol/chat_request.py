@@ -8,7 +8,7 @@ tie one field to another."""
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -155,30 +155,41 @@ Content = Annotated[str | list[TextPart] | None, expected("must be a string or a
 
 
 class Message(Strict):
-    """A system, developer, user or tool message: its role and its text are all this server reads."""
+    """A system, developer or user message: its role and its text are what this server reads;
+    its other fields are checked as OpenAI's schema types them, so a wrong one is a 400."""
 
     role: Annotated[Literal[ROLES], expected(ROLE_RULE)]
     content: Content = None
+    name: str | None = None
 
 
 class CalledFunction(Strict):
-    name: str = ""
-    arguments: Any = None  # shown to the model as JSON when it parses as JSON, else as written
+    name: str
+    arguments: str  # shown to the model as JSON when it parses as JSON, else as written
 
 
 class ToolCall(Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
     function: CalledFunction
 
 
 class AssistantMessage(Message):
-    tool_calls: Annotated[list[ToolCall], expected("must be a list of function calls.")] | None = None
+    tool_calls: list[ToolCall] | None = None
+    refusal: str | None = None
+
+
+class ToolMessage(Message):
+    tool_call_id: str
 
 
 def message_by_role(value):
-    """An assistant's message is read with its calls; a message that is not an object has no role."""
+    """Each role is read with its own fields; a message that is not an object has no role."""
     if not isinstance(value, dict):
         raise error_at(("role",), ROLE_RULE, value)
-    return (AssistantMessage if value.get("role") == "assistant" else Message).model_validate(value)
+    role = value.get("role")
+    by_role = {"assistant": AssistantMessage, "tool": ToolMessage}
+    return (by_role.get(role, Message) if isinstance(role, str) else Message).model_validate(value)
 
 
 Messages = Annotated[list[Annotated[Message, PlainValidator(message_by_role)]], Field(min_length=1), expected("must be a non-empty array.", inside_too=False)]
@@ -334,7 +345,7 @@ def content_text(content):
 def arguments_of(text):
     """Arguments that parse (sanely) as JSON are shown to the model as JSON; others as written."""
     try:
-        arguments = json.loads(text) if isinstance(text, str) else text
+        arguments = json.loads(text)
     except (ValueError, RecursionError):
         return text
     return text if first_problem(arguments) else arguments
