@@ -3,7 +3,7 @@
 The step's sequences choose together: one argmax for the greedy rows, a few operations over
 the batch for the sampled ones, each row with its own parameters and generator, and the
 results stay tensors, so the engine moves every pick of a step to the host in one transfer.
-Only what depends on a request's own output so far (penalties, bias) is applied row by row.
+Only a request's own adjustments (penalties, a logit bias) are applied row by row.
 """
 
 from dataclasses import dataclass, field
@@ -185,7 +185,7 @@ def uniforms(generators, device):
     u = torch.rand(len(generators), device=device)
     for i, generator in enumerate(generators):
         if generator is not None:
-            u[i] = torch.rand((), generator=generator, device=device)
+            u[i] = uniform(1, generator, device)[0]
     return u
 
 
