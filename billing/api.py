@@ -32,11 +32,10 @@ from rest_framework import (
 from rest_framework.response import Response
 
 from billing import ledger
-from billing.export import EntrySerializer, csv_lines, serialized
+from billing.export import EXPORT_CHUNK, EntrySerializer, csv_lines, serialized
 from billing.models import ApiKey, UsageEntry
 from inference.protocol.errors import ApiError
 
-EXPORT_CHUNK = 2000
 MAX_ID = 2**63 - 1  # ids are BigAutoField
 
 

@@ -212,6 +212,20 @@ class UsageEntry(AppendOnly):
         return (self.first_token_at - self.received_at).total_seconds()
 
     @property
+    def queued_ms(self):
+        return milliseconds(self.received_at, self.started_at)
+
+    @property
+    def time_to_first_token_ms(self):
+        """From the start, so a reply's own wait for its first token stands apart from the
+        queue (time_to_first_token, the page's, is what its user waited from the request)."""
+        return milliseconds(self.started_at, self.first_token_at)
+
+    @property
+    def duration_ms(self):
+        return milliseconds(self.received_at, self.finished_at)
+
+    @property
     def tokens_per_second(self):
         if self.first_token_at is None or self.finished_at <= self.first_token_at:
             return None
@@ -219,6 +233,10 @@ class UsageEntry(AppendOnly):
 
     def content_hash(self):
         return content_hash(self)
+
+
+def milliseconds(start, end):
+    return None if start is None or end is None else round((end - start).total_seconds() * 1000)
 
 
 # The fields an entry's hash covers, fixed: a column added later must not change the hashes of

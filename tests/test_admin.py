@@ -19,6 +19,10 @@ CHANGELIST = "/admin/billing/usageentry/"
 ENTRIES = "/api/ledger/entries/"
 
 
+def body(response):
+    return b"".join(response.streaming_content).decode()
+
+
 def entries(count, model="m"):
     now = time.time()
     for n in range(count):
@@ -60,7 +64,7 @@ def test_the_csv_action_exports_the_selected_rows(admin_client):
     entries(4)
     chosen = list(UsageEntry.objects.order_by("id").values_list("pk", flat=True)[:2])
     response = admin_client.post(CHANGELIST, {"action": "export_csv", "_selected_action": chosen})
-    rows = list(csv.DictReader(io.StringIO(response.content.decode())))
+    rows = list(csv.DictReader(io.StringIO(body(response))))
     assert [int(r["id"]) for r in rows] == chosen and rows[0]["entry_hash"]
 
 
@@ -72,7 +76,7 @@ def test_the_csv_action_writes_no_formula_and_keeps_negative_counts(admin_client
     )  # fmt: skip
     reversal = ledger.reverse(entry, "-2+3+cmd|' /C calc'!A0")
     response = admin_client.post(CHANGELIST, {"action": "export_csv", "_selected_action": [entry.pk, reversal.pk]})
-    usage, reversed_ = csv.DictReader(io.StringIO(response.content.decode()))
+    usage, reversed_ = csv.DictReader(io.StringIO(body(response)))
     assert usage["vendor_request_id"] == "'=cmd|' /C calc'!A0" and reversed_["error"] == "'-2+3+cmd|' /C calc'!A0"
     assert (reversed_["prompt_tokens"], reversed_["completion_tokens"]) == ("-10", "-3")  # numbers stay numbers
 
@@ -87,19 +91,57 @@ def test_the_csv_action_and_the_rest_export_write_the_same_file(admin_client):
         received_at=ledger.as_datetime(now), first_token_at=ledger.as_datetime(now + 0.5), finished_at=ledger.as_datetime(now + 1),
     )  # fmt: skip
     reversal = ledger.reverse(entry, "@staff reason")
-    from_admin = admin_client.post(CHANGELIST, {"action": "export_csv", "_selected_action": [entry.pk, reversal.pk]}).content.decode()
-    from_rest = b"".join(admin_client.get(ENTRIES, {"format": "csv"}).streaming_content).decode()  # a staff session reads all
+    from_admin = body(admin_client.post(CHANGELIST, {"action": "export_csv", "_selected_action": [entry.pk, reversal.pk]}))
+    from_rest = body(admin_client.get(ENTRIES, {"format": "csv"}))  # a staff session reads all
     assert from_admin == from_rest  # the same header, the same rows, cell for cell
     header, usage, reversed_ = csv.reader(io.StringIO(from_admin))
-    assert header == export.COLUMNS and {"api_key", "corrects", "price_sheet", "entry_hash", "time_to_first_token", "tokens_per_second"} <= set(header)
+    assert header == export.COLUMNS and {"api_key", "corrects", "price_sheet", "entry_hash", "time_to_first_token_ms", "tokens_per_second"} <= set(header)
     usage, reversed_ = dict(zip(header, usage)), dict(zip(header, reversed_))
-    assert (usage["api_key"], usage["price_sheet"], usage["vendor_request_id"], usage["time_to_first_token"]) == (
+    assert (usage["api_key"], usage["price_sheet"], usage["vendor_request_id"], usage["duration_ms"]) == (
         str(key.pk),
         str(entry.price_sheet_id),
         "'=x",
-        "0.5",
+        "1000",
     )
     assert (reversed_["corrects"], reversed_["error"], reversed_["total_cost"]) == (str(entry.pk), "'@staff reason", "-0.000016000")
+
+
+def timed_entry(request_id, model="m"):
+    """Queued 1.25 s, its first token 0.4 s after the start, 7 tokens in the 3 s after it."""
+    now = time.time()
+    return ledger.record(
+        request_id, "stop", model=model, tokenizer="t", prompt_tokens=10, completion_tokens=7,
+        received_at=ledger.as_datetime(now), started_at=ledger.as_datetime(now + 1.25),
+        first_token_at=ledger.as_datetime(now + 1.65), finished_at=ledger.as_datetime(now + 4.65),
+    )  # fmt: skip
+
+
+def test_the_csv_gives_times_in_milliseconds_with_the_queue_apart_rounded_as_the_admin_shows_them(admin_client):
+    entry = timed_entry("r-admin-timed")
+    [row] = csv.DictReader(io.StringIO(body(admin_client.get(f"{CHANGELIST}export/"))))
+    assert (row["queued_ms"], row["time_to_first_token_ms"], row["duration_ms"], row["tokens_per_second"]) == ("1250", "400", "4650", "2.3")
+    page = " ".join(admin_client.get(f"{CHANGELIST}{entry.pk}/change/").content.decode().split())
+    for label, shown in (("Queued for", "1,250 ms"), ("Time to first token (from the start)", "400 ms"), ("Duration", "4,650 ms")):
+        assert re.search(rf"{re.escape(label)}:</label> <div class=\"readonly\">{shown}</div>", page), label
+    assert "2.3 (after the first token)" in page
+
+
+def test_the_export_link_streams_every_entry_the_filter_selects_not_only_the_page(admin_client):
+    entries(130, "a")
+    entries(5, "b")
+    page = admin_client.get(CHANGELIST, {"model": "a"})
+    assert page.context["cl"].result_count == 130 and len(page.context["cl"].result_list) == 100  # the list shows a page
+    link = re.search(r'id="export-filtered" href="([^"]+)">Export 130 entries as CSV<', page.content.decode()).group(1)
+    response = admin_client.get(link.replace("&amp;", "&"))
+    assert response.streaming and response["Content-Type"] == "text/csv"
+    rows = list(csv.DictReader(io.StringIO(body(response))))
+    assert len(rows) == 130 and {r["model"] for r in rows} == {"a"}
+
+
+def test_the_export_needs_the_right_to_view_the_ledger(client, django_user_model):
+    entries(1)
+    client.force_login(django_user_model.objects.create_user("clerk", password="x", is_staff=True))
+    assert client.get(f"{CHANGELIST}export/").status_code == 403
 
 
 def test_the_usage_chart_draws_the_rest_daily_totals(admin_client):
@@ -218,5 +260,5 @@ def test_an_entry_s_page_shows_its_times_to_the_millisecond_with_its_durations(a
     entry = ledger.record("r-times", "stop", model="m", tokenizer="t", prompt_tokens=5, completion_tokens=41, received_at=received, **at)
     page = " ".join(admin_client.get(f"{CHANGELIST}{entry.pk}/change/").content.decode().split())
     assert "2026-12-01 10:00:00.123 UTC" in page and "2026-12-01 10:00:02.435 UTC" in page
-    assert "50 ms" in page and "312 ms" in page and "2,312 ms" in page
+    assert "50 ms" in page and "262 ms" in page and "2,312 ms" in page  # the first token 262 ms after the start
     assert "20.5 (after the first token)" in page  # 41 tokens in the 2 s after the first

@@ -234,7 +234,8 @@ def test_entries_carry_their_time_to_first_token_and_tokens_per_second(client):
     now = time.time()
     ledger.record(
         "r-timed", "stop", api_key=key, model="m", tokenizer="t", prompt_tokens=5, completion_tokens=10,
-        received_at=ledger.as_datetime(now), first_token_at=ledger.as_datetime(now + 0.5), finished_at=ledger.as_datetime(now + 1.5),
+        received_at=ledger.as_datetime(now), started_at=ledger.as_datetime(now + 0.2), first_token_at=ledger.as_datetime(now + 0.5),
+        finished_at=ledger.as_datetime(now + 1.5),
     )  # fmt: skip
     [row] = client.get(URL, **auth).json()["results"]
-    assert row["time_to_first_token"] == pytest.approx(0.5, abs=1e-5) and row["tokens_per_second"] == pytest.approx(10.0, rel=1e-4)
+    assert (row["queued_ms"], row["time_to_first_token_ms"], row["duration_ms"], row["tokens_per_second"]) == (200, 300, 1500, 10.0)
