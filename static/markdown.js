@@ -52,7 +52,14 @@ function renderMarkdown(text) {
     FORBID_ATTR: ["style"],
     ALLOWED_URI_REGEXP: /^(?:https?:|mailto:|#|[^a-z]|[a-z+.-]+(?:[^a-z+.\-:]|$))/i,
   });
-  return imageAsLink(clean);
+  return withoutEmptyCode(unlinkPending(imageAsLink(clean)));
+}
+
+// A fence with nothing in it yet (a reply cut right after its opening "```") is no code to show
+// or copy.
+function withoutEmptyCode(fragment) {
+  for (const pre of fragment.querySelectorAll("pre")) if (!pre.textContent.trim()) pre.remove();
+  return fragment;
 }
 
 const LIST_ITEM = /^(?:[*+-]|\d{1,9}[.)])\s/;
@@ -123,6 +130,7 @@ function closeInline(text) {
   const trailing = body.match(/\s*$/)[0];
   body = body.slice(0, body.length - trailing.length);
   body = body.replace(/\[([^\]\n]*)\]\([^)\s]*$/, "$1"); // a link whose address is arriving
+  body = body.replace(/(?<!\])\[([^\]\n]*)\](?:\[[^\]\n]*)?$/, "$1"); // "[text]" or "[text][lab": a link or reference arriving
   let closers = "";
   const code = (body.match(/`/g) || []).length;
   if (code % 2) closers += "`";
@@ -193,9 +201,36 @@ function definitions(text) {
   return found.join("\n");
 }
 
-// A piece rendered apart from the rest still resolves the links whose definitions are elsewhere.
+const REFERENCE_USE = /\[([^\]\n]+)\]\[([^\]\n]*)\]/g; // "[text][label]", "[label][]"
+const PENDING = "#tokstream-pending-reference";
+
+function label(text) {
+  return text.trim().replace(/\s+/g, " ").toLowerCase();
+}
+
+// A piece rendered apart from the rest still resolves the links whose definitions are elsewhere;
+// a reference whose definition has not arrived yet links to PENDING, so that it shows as its text
+// (never "[text][label]" raw) until the definition comes and the piece is rendered again.
 function withDefinitions(markdown, known) {
-  return known && markdown.includes("[") ? `${markdown}\n\n${known}` : markdown;
+  if (!markdown.includes("[")) return markdown;
+  const defined = new Set(known.split("\n").filter(Boolean).map((line) => label(line.slice(line.indexOf("[") + 1, line.indexOf("]:")))));
+  const pending = new Set();
+  for (const [, text, name] of markdown.matchAll(REFERENCE_USE)) {
+    const wanted = label(name || text);
+    if (wanted && !defined.has(wanted)) pending.add(wanted);
+  }
+  const placeholders = [...pending].map((name) => `[${name}]: ${PENDING}`);
+  return [markdown, known, ...placeholders].filter(Boolean).join("\n\n");
+}
+
+function unlinkPending(fragment) {
+  for (const link of fragment.querySelectorAll(`a[href="${PENDING}"]`)) {
+    const text = document.createElement("span");
+    text.className = "pending-link";
+    text.append(...link.childNodes);
+    link.replaceWith(text);
+  }
+  return fragment;
 }
 
 // -- what the tail holds back until the next line tells what it is ------------------------------

@@ -134,3 +134,22 @@ def test_a_refused_send_shows_the_server_s_error_in_an_alert_and_retry_sends_it(
     assert Turn.objects.filter(role="assistant").exclude(pk=old_reply).count() == 2
     # The refusals reach the console as failed loads (400); nothing on the page itself failed.
     assert [error for error in browser.errors if "status of 400" not in error] == []
+
+
+def test_on_a_desktop_a_long_conversation_scrolls_and_never_squeezes_the_settings_line(live_service, new_page):
+    from django.contrib.auth import get_user_model
+
+    from tests.test_chat_page import Browser
+
+    user = get_user_model().objects.create_user("reader", password="pw-for-tests-only")
+    chat = Chat.objects.create(user=user, title="long")
+    for n in range(30):
+        Turn.objects.create(chat=chat, role="user", content=f"Question {n}: " + "a long line of words " * 20)
+        Turn.objects.create(chat=chat, role="assistant", content=f"Answer {n}.\n\n" + "a paragraph of reply " * 30, finish_reason="stop")
+    page = Browser(new_page(viewport={"width": 1280, "height": 800}), live_service.url).page
+    height = "() => document.querySelector('.settings summary').getBoundingClientRect().height"
+    empty = page.evaluate(height)
+    page.goto(f"{live_service.url}/c/{chat.pk}")
+    page.wait_for_selector(".turn.assistant")
+    assert page.evaluate(height) == empty and empty >= 24
+    assert page.evaluate("() => document.querySelector('#log').scrollHeight > document.querySelector('#log').clientHeight")

@@ -1,7 +1,8 @@
 """A reply's markdown in headless Chromium against the live service, streamed by the echo model
 (which replies with the message sent, one token per step): what streamed ends as the same DOM a
-reload shows, no frame shows a table's pipes or a reference link raw, streamed blocks are spaced
-as reloaded ones, and code is highlighted once its block is complete."""
+reload shows, no frame shows a table's pipes or a reference link raw (its text shows until its
+definition comes), streamed blocks are spaced as reloaded ones, code is highlighted once its
+block is complete, and a reply cut right after an opening fence shows no empty code box."""
 
 import re
 
@@ -60,7 +61,8 @@ WATCH_MARKDOWN = """() => {
       const pipeParagraph = [...body.querySelectorAll('p')].some((p) => p.textContent.trimStart().startsWith('|'));
       if (text.includes('|') || pipeParagraph) window.__raw.push(['pipes', text]);
       if (text.includes('[docs]:')) window.__raw.push(['definition', text]);
-      if (text.includes('After the definition') && text.includes('[the docs][docs]')) window.__raw.push(['reference', text]);
+      if (text.includes('][docs]') || text.includes('[the docs]')) window.__raw.push(['reference', text]);
+      if (text.includes('Read the docs before') && !body.querySelector('a[href="https://example.com/docs"]')) window.__unlinked = true;
       if (!window.__layout && body.querySelector('.md-block table')) window.__layout = layout([...body.querySelectorAll('.md-block > *')]);
     }
     requestAnimationFrame(sample);
@@ -97,7 +99,7 @@ def test_a_streamed_reply_ends_as_the_dom_a_reload_shows_and_no_frame_shows_mark
     browser.wait_until_done()
     live = normalised(page.evaluate(BODY_HTML))
     raw, streamed = page.evaluate("window.__raw"), page.evaluate("window.__layout")
-    assert raw == []
+    assert raw == [] and page.evaluate("window.__unlinked")  # the link's text showed before its definition came
     assert page.get_attribute(f"{REPLY} a", "href") == "https://example.com/docs"
     assert page.locator(f"{REPLY} table td").all_text_contents() == ["alpha", "1", "beta", "2"]
     reloaded(page)
@@ -144,3 +146,23 @@ def test_a_python_block_is_highlighted_once_complete_while_streaming_and_after_a
     reloaded(page)
     assert page.locator(keyword).all_text_contents()[:3] == ["import", "def", "return"]
     assert normalised(page.evaluate(BODY_HTML)) == live
+
+
+def test_a_reply_cut_by_the_token_limit_right_after_an_opening_fence_shows_no_empty_code_box(live_service, new_page):
+    from inference import registry
+    from inference.model_files import load_tokenizer
+
+    message = f"Here is the code:\n\n{FENCE}python\nprint('hello')\n{FENCE}\n"
+    tokenizer = load_tokenizer(registry.folder("smollm2-135m-instruct"))
+    ids = tokenizer.encode(message, add_special_tokens=False)
+    cut = next(k for k in range(len(ids)) if tokenizer.decode(ids[:k]).endswith(f"{FENCE}python\n"))
+    browser = chat_page(new_page, live_service.url)
+    page = browser.page
+    browser.send(message, model="echo", max_tokens=cut)
+    browser.wait_until_done()
+    assert page.get_attribute(REPLY, "data-finish-reason") == "length"
+    assert browser.reply_text().strip() == "Here is the code:"
+    assert page.locator(f"{REPLY} pre, {REPLY} .copy-code").count() == 0
+    reloaded(page)
+    assert page.locator(f"{REPLY} pre, {REPLY} .copy-code").count() == 0 and browser.reply_text().strip() == "Here is the code:"
+    assert browser.errors == []

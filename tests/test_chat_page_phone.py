@@ -10,12 +10,13 @@ from tests.test_chat_page import REPLY, Browser
 
 pytestmark = pytest.mark.django_db(transaction=True)
 PHONE = {"viewport": {"width": 390, "height": 844}, "has_touch": True, "is_mobile": True, "device_scale_factor": 3}
-# Every control on screen that a finger may tap: (what, its height) for those under 44 px.
-SMALL_TARGETS = """() => [...document.querySelectorAll('button, a, select, summary, input')]
+# Every control on screen that a finger may tap: what, and its size, for those under 44 px either way.
+SMALL_TARGETS = """() => [...document.querySelectorAll('button, a, select, summary, input, textarea')]
   .filter((e) => e.offsetParent !== null && getComputedStyle(e).visibility !== 'hidden')
   .map((e) => [e.id || e.className || e.tagName, e.getBoundingClientRect()])
-  .filter(([, box]) => box.width > 0 && box.right > 0 && box.left < innerWidth && box.height < 44)
-  .map(([name, box]) => `${name}: ${Math.round(box.height)}`)"""
+  .filter(([, box]) => box.width > 0 && box.right > 0 && box.left < innerWidth && Math.min(box.width, box.height) < 44)
+  .map(([name, box]) => `${name}: ${Math.round(box.width)}x${Math.round(box.height)}`)"""
+SIGN = "() => getComputedStyle(document.querySelector('.settings summary'), '::before').content"
 
 
 def page_width(page):
@@ -56,3 +57,21 @@ def test_a_phone_sends_with_a_tap_streams_and_picks_a_chat_from_the_drawer(live_
     page.wait_for_selector(f"{REPLY}[data-finish-reason]")
     assert browser.reply_text().startswith("First from a phone") and page_width(page) <= 390
     assert browser.errors == []
+
+
+def test_every_control_a_finger_taps_is_44_px_each_way_open_settings_steering_and_reply_actions_too(live_service, new_page):
+    get_user_model().objects.create_user("reader", password="pw-for-tests-only")
+    page = Browser(new_page(**PHONE), live_service.url).page
+    assert page.evaluate(SIGN) == '"▸"'  # "Model and parameters" shows that it opens
+    page.tap("summary")
+    assert page.evaluate(SIGN) == '"▾"' and page.is_visible("#system-prompt")
+    assert page.evaluate(SMALL_TARGETS) == []  # the model, numbers, system prompt and tools boxes
+    page.select_option("#model", "echo")
+    page.tap("summary")
+    page.fill("#prompt", "A reply long enough to steer while it streams: " + "word " * 300)
+    page.tap("#send")
+    page.wait_for_selector("#steer-form:not([hidden])")
+    assert page.evaluate(SMALL_TARGETS) == []  # the steering box and its button
+    page.wait_for_selector(f"{REPLY}[data-finish-reason]", timeout=60_000)
+    page.wait_for_selector(".turn.user .edit")
+    assert page.evaluate(SMALL_TARGETS) == []  # Edit, Copy, Regenerate
