@@ -28,11 +28,12 @@ from inference.signals import request_finished
 log = logging.getLogger(__name__)
 ENDING, ENDED, RUNNING = "ending", "ended", "running "
 # Why a request could not run, as its end entry says (and a non-streamed answer's 503).
-CODES = {"expired": "queue_timeout", "lost": "request_lost", "orphaned": "worker_unavailable"}
+CODES = {"expired": "queue_timeout", "lost": "request_lost", "orphaned": "worker_unavailable", "unserved": "worker_unavailable"}
 MESSAGES = {
     "expired": "The request waited longer than TOKSTREAM_QUEUE_TIMEOUT for a worker; it was not run.",
     "lost": "The request's state was lost (Redis restarted) before it ended.",
     "orphaned": "The worker running the request stopped answering; the request was abandoned.",
+    "unserved": "No worker took the request: the workers of its model stopped or are shutting down; it was not run.",
 }
 
 CLAIM = """

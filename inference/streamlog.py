@@ -216,12 +216,13 @@ def take_steering(client, request_ids):
     return {r: texts for r, texts in zip(request_ids, replies[1::3]) if texts}
 
 
-def heartbeat(client, worker_id, model, running=0, waiting=0):
+def heartbeat(client, worker_id, model, running=0, waiting=0, draining=False):
     """Say that this engine serves `model` for the next TOKSTREAM_WORKER_TTL seconds (and how
-    busy it is), and clear the beats of engines that stopped."""
+    busy it is, and whether it is draining: finishing what it runs, taking nothing new), and
+    clear the beats of engines that stopped."""
     beats = workers(client)
     stale = [field for field, value in beats.items() if json.loads(value)["until"] < time.time()]
-    beat = {"model": model, "until": time.time() + settings.TOKSTREAM_WORKER_TTL, "running": running, "waiting": waiting}
+    beat = {"model": model, "until": time.time() + settings.TOKSTREAM_WORKER_TTL, "running": running, "waiting": waiting, "draining": draining}
     with client.pipeline(transaction=False) as pipe:
         pipe.hset(workers_key(), f"{worker_id}:{model}", json.dumps(beat))
         if stale:
@@ -236,6 +237,15 @@ def forget_workers(client, gone):
     if fields:
         client.hdel(workers_key(), *fields)
     return fields
+
+
+def drain_workers(client, mine):
+    """Mark the beats whose field `mine` says are this worker's as draining, at once: the
+    worker's next beat may be seconds away, and admission must stop sending it work now."""
+    beats = {field: json.loads(value) for field, value in workers(client).items() if mine(field)}
+    if beats:
+        client.hset(workers_key(), mapping={field: json.dumps({**beat, "draining": True}) for field, beat in beats.items()})
+    return list(beats)
 
 
 def workers(client):
@@ -253,11 +263,13 @@ def live_beats(beats):
     return [beat for beat in map(json.loads, beats.values()) if beat["until"] >= now]
 
 
-def served_models(beats):
-    """Model name -> how many live engines serve it."""
+def served_models(beats, draining=False):
+    """Model name -> how many live engines take new requests of it (with `draining`: how many
+    finish what they run and take nothing new)."""
     served = {}
     for beat in live_beats(beats):
-        served[beat["model"]] = served.get(beat["model"], 0) + 1
+        if beat.get("draining", False) == draining:
+            served[beat["model"]] = served.get(beat["model"], 0) + 1
     return served
 
 

@@ -17,6 +17,8 @@ from inference.protocol.errors import ApiError, not_found
 from inference.protocol.payloads import GENERATE, GenerateTask
 from tokstream_site.celery import app
 
+UNSERVED_RETRY_SECONDS = 10  # a stopped worker's replacement has usually loaded by then
+
 
 @dataclass(frozen=True)
 class Owner:
@@ -69,8 +71,16 @@ def owned_meta(meta, owner, request_id):
 
 
 def check_served(client, model):
-    if model not in streamlog.served_models(streamlog.workers(client)):
-        raise ApiError(503, f"No worker is serving `{model}` right now; try again shortly.", type="server_error", code="model_unavailable")
+    """A request is queued only where a worker will take it: not while the only workers of its
+    model drain (asked to stop, they finish what they run and consume nothing more)."""
+    beats = streamlog.workers(client)
+    if model in streamlog.served_models(beats):
+        return
+    if model in streamlog.served_models(beats, draining=True):
+        message = f"Every worker serving `{model}` is shutting down; try again shortly."
+    else:
+        message = f"No worker is serving `{model}` right now; try again shortly."
+    raise ApiError(503, message, type="server_error", code="model_unavailable", headers={"Retry-After": str(UNSERVED_RETRY_SECONDS)})
 
 
 def prompt_of(chat):

@@ -166,7 +166,7 @@ async def idle_check(client, admitted, unserved):
         await reap_unless(streamlog.beating(beats, watched_by, admitted.model), client, request_id, state, "orphaned")
         return 0, None
     unserved = 0 if admitted.model in streamlog.served_models(beats) else unserved + 1
-    await reap_unless(unserved < 2, client, request_id, state, "orphaned")
+    await reap_unless(unserved < 2, client, request_id, state, "unserved")
     return unserved, None
 
 

@@ -103,10 +103,11 @@ def redis_ok():
 
 
 def workers_ok():
-    served = streamlog.served_models(streamlog.workers(streamlog.sync_client()))
+    beats = streamlog.workers(streamlog.sync_client())
+    served, draining = streamlog.served_models(beats), streamlog.served_models(beats, draining=True)
     if not served:
-        raise RuntimeError("no worker has a model loaded")
-    return {"models": served}
+        raise RuntimeError("every worker is draining: it finishes what it runs and takes nothing new" if draining else "no worker has a model loaded")
+    return {"models": served, "draining": draining}
 
 
 @api_post

@@ -32,18 +32,29 @@ SIGNAL_SECONDS = 0.05
 
 
 STOPPED = threading.Event()  # the worker is shutting down: its engines beat no more
+DRAINING = threading.Event()  # asked to stop: it finishes what it runs and takes nothing new
+
+
+def own_beat(field):
+    return field.startswith(f"{socket.gethostname()}:{os.getpid()}:{BOOT}:")
 
 
 def forget_own_beats(client):
     """At shutdown: this process serves nothing any more, so /healthz must not count it for
     the rest of its beats' TTL."""
     STOPPED.set()
-    own = f"{socket.gethostname()}:{os.getpid()}:{BOOT}:"
-    return streamlog.forget_workers(client, lambda field: field.startswith(own))
+    return streamlog.forget_workers(client, own_beat)
+
+
+def drain_own_beats(client):
+    """Asked to stop: Celery consumes no more tasks, so admission must send this worker none.
+    Its beats go on, marked draining, for the requests it still runs."""
+    DRAINING.set()
+    return streamlog.drain_workers(client, own_beat)
 
 
 def beat(client, worker_id, model, running=0, waiting=0):
-    streamlog.heartbeat(client, worker_id, model, running, waiting)
+    streamlog.heartbeat(client, worker_id, model, running, waiting, draining=DRAINING.is_set())
     if STOPPED.is_set():  # the shutdown removed the beats while this one was on its way
         forget_own_beats(client)
 

@@ -11,7 +11,7 @@ import threading
 import time
 
 from celery import shared_task
-from celery.signals import task_received, worker_ready, worker_shutdown
+from celery.signals import task_received, worker_ready, worker_shutdown, worker_shutting_down
 from celery.worker import state as worker_state
 from django.conf import settings
 
@@ -20,7 +20,7 @@ from inference.protocol.entries import Delta, FinishReason, Steer, ToolArgs, Too
 from inference.protocol.payloads import GENERATE, GenerateTask
 from inference.protocol.tools import ToolCallParser
 from inference.worker.engine import SamplingParams, choices
-from inference.worker.loops import LOST_CLAIM, Sweeper, engine_loop, forget_own_beats, forget_stopped_here, reserve
+from inference.worker.loops import LOST_CLAIM, Sweeper, drain_own_beats, engine_loop, forget_own_beats, forget_stopped_here, reserve
 from inference.worker.relay import Relay
 
 log = logging.getLogger(__name__)
@@ -266,6 +266,15 @@ def load_every_model(failed):
             engine_loop(name)
     except Exception as exc:
         failed.append(exc)
+
+
+@worker_shutting_down.connect
+def begin_draining(**kwargs):
+    # Sent from Celery's SIGTERM, SIGQUIT and SIGINT handlers, before the drain.
+    try:
+        drain_own_beats(streamlog.sync_client())
+    except Exception:  # Redis away: admission cannot queue anything either
+        log.warning("could not mark this worker's heartbeats draining", exc_info=True)
 
 
 @worker_shutdown.connect
