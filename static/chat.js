@@ -134,7 +134,10 @@ function usageLine(usage) {
 }
 
 // The bar shows the reply's ledger numbers once it has ended: the same ones as under the reply.
+// The bar shows one reply's numbers and says which: the one streaming (live), else the last one
+// that ended (its ledger entry's, as under the reply).
 function showBarNumbers(usage) {
+  $("stats-of").textContent = "Last reply:";
   $("ttft").textContent = usage.time_to_first_token_ms === null ? "–" : `${usage.time_to_first_token_ms} ms`;
   $("rate").textContent = usage.tokens_per_second === null ? "–" : String(usage.tokens_per_second);
   $("completion").textContent = String(usage.completion_tokens);
@@ -313,8 +316,10 @@ class Reply {
     $("completion").textContent = String(this.completion);
     if (this.firstAt === null || this.sentAt === null) return;
     $("ttft").textContent = `${Math.round(this.firstAt - this.sentAt)} ms`;
+    // As the ledger counts it (completion tokens over the time since the first), so the live
+    // figure at the end is the one the ledger then shows.
     const seconds = (performance.now() - this.firstAt) / 1000;
-    if (this.completion > 1 && seconds > 0) $("rate").textContent = ((this.completion - 1) / seconds).toFixed(1);
+    if (this.completion > 1 && seconds > 0) $("rate").textContent = (this.completion / seconds).toFixed(1);
   }
 
   async finish(problem) {
@@ -366,6 +371,7 @@ function follow(reply, requestId, eventsUrl) {
   state.reply = reply;
   reply.requestId = requestId;
   reply.open(eventsUrl);
+  $("stats-of").textContent = "This reply, live:";
   setBusy(true);
   setStatus("generating");
 }
@@ -662,6 +668,8 @@ function showSavedTurns(turns) {
     showSavedReply(node, turn);
   }
   if (!state.reply) addReplyActions();
+  const last = turns.findLast((turn) => turn.role === "assistant");
+  if (!state.reply && last?.usage) showBarNumbers(last.usage); // after a reload, as under the reply
   jumpToLatest();
 }
 

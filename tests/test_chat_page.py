@@ -138,6 +138,11 @@ def test_a_real_reply_grows_in_steps_and_ends_with_the_usage_and_cost_of_its_led
     ttft, rate = round(entry.time_to_first_token * 1000), round(entry.tokens_per_second, 1)
     assert page.text_content("#ttft") == f"{ttft} ms" and float(page.text_content("#rate")) == rate
     assert page.text_content(f"{REPLY} .meta .timing") == f"{ttft} ms to first token · {rate:g} tokens/s"
+    assert page.text_content("#stats-of") == "Last reply:"
+    page.reload()  # the bar keeps the reply's numbers, never "–" beside a reply that has them
+    page.wait_for_selector(f"{REPLY} .meta .usage")
+    bar = [page.text_content(f"#{name}") for name in ("stats-of", "ttft", "rate", "usage")]
+    assert bar == ["Last reply:", f"{ttft} ms", f"{rate:g}", expected]
     assert browser.errors == []
 
 
