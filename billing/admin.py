@@ -101,7 +101,7 @@ class UsageEntryAdmin(admin.ModelAdmin):
 
     @admin.display(description="time to first token (from the start)")
     def time_to_first_token_shown(self, entry):
-        return shown_ms(entry.time_to_first_token_ms)
+        return shown_ms(entry.first_token_after_start_ms)
 
     @admin.display(description="duration")
     def duration(self, entry):

@@ -16,13 +16,13 @@ class EntrySerializer(serializers.ModelSerializer):
     whole milliseconds and the rate to a tenth, as the admin shows them."""
 
     queued_ms = serializers.IntegerField(read_only=True, help_text="Milliseconds from arrival to the start (a worker took it).")
-    time_to_first_token_ms = serializers.IntegerField(read_only=True, help_text="Milliseconds from the start to the first token: the queue apart.")
+    first_token_after_start_ms = serializers.IntegerField(read_only=True, help_text="Milliseconds from the start to the first token: the queue apart.")
     duration_ms = serializers.IntegerField(read_only=True, help_text="Milliseconds from arrival to the end.")
     tokens_per_second = serializers.SerializerMethodField(help_text="Completion tokens a second after the first token, to a tenth.")
 
     class Meta:
         model = UsageEntry
-        fields = [f.name for f in UsageEntry._meta.concrete_fields] + ["queued_ms", "time_to_first_token_ms", "duration_ms", "tokens_per_second"]
+        fields = [f.name for f in UsageEntry._meta.concrete_fields] + ["queued_ms", "first_token_after_start_ms", "duration_ms", "tokens_per_second"]
 
     def get_tokens_per_second(self, entry) -> float | None:
         return None if entry.tokens_per_second is None else round(entry.tokens_per_second, 1)

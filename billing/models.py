@@ -216,9 +216,9 @@ class UsageEntry(AppendOnly):
         return milliseconds(self.received_at, self.started_at)
 
     @property
-    def time_to_first_token_ms(self):
-        """From the start, so a reply's own wait for its first token stands apart from the
-        queue (time_to_first_token, the page's, is what its user waited from the request)."""
+    def first_token_after_start_ms(self):
+        """The reply's own wait for its first token, apart from the queue (time_to_first_token,
+        the page's, is what its user waited from the request)."""
         return milliseconds(self.started_at, self.first_token_at)
 
     @property

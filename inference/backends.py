@@ -54,6 +54,10 @@ class LocalBackend:
 
     def check(self, chat):
         """Refuse what this backend cannot do, before anything is counted or written."""
+        if chat.forced_tool:  # our engine cannot make a model call a tool; an upstream can
+            raise invalid(
+                '`tool_choice` "required" or a named function is supported for upstream models only; local models take "auto" or "none".', param="tool_choice"
+            )
 
     def prompt(self, chat):
         """(the ids the model will read, or None where it is not ours to read; the prompt
@@ -99,6 +103,7 @@ class UpstreamBackend(LocalBackend):
         self.tokenizer_name = self.entry["tokenizer"]
         self.tiktoken = self.tokenizer_name in tiktoken_offline.ENCODINGS
         self.end_of_turn_counted = upstream.counts_end_of_turn(self.entry)
+        self.stop_string_counted = upstream.counts_stop_string(self.entry)
         self.max_concurrent = upstream.max_concurrent(self.entry, settings.TOKSTREAM_MODELS.values())
         self.slots = upstream.slots_of(self.entry)
 
@@ -134,7 +139,7 @@ class UpstreamBackend(LocalBackend):
 
     def count_completion(self, text, finish_reason, stop=(), stop_reason=upstream.UNSAID):
         """Our count of a relayed reply (see upstream.completion_estimate)."""
-        return upstream.completion_estimate(self.count_text, text, finish_reason, stop, self.end_of_turn_counted, stop_reason)
+        return upstream.completion_estimate(self.count_text, text, finish_reason, stop, self.end_of_turn_counted, stop_reason, self.stop_string_counted)
 
     def room(self, chat):
         return int(self.entry.get("context_length", DEFAULT_CONTEXT))

@@ -39,6 +39,12 @@ FORWARDED = (
 # stops before it; OpenAI's usage counts the text. A registry entry's "server" picks one, and
 # "counts_end_of_turn" overrides it.
 COUNTS_END_OF_TURN = {"vllm": True, "sglang": True, "llama.cpp": True, "llama-cpp-python": False, "openai": False}
+# Whether a known server's usage counts the tokens of the stop string that cut a reply: vLLM,
+# SGLang and llama-server count every id the model produced, the stop string's too (llama-server
+# measured: tests/test_upstream_llama_cpp.py); llama-cpp-python's server counts the reply's text
+# without it (a reply cut at "," billed 28 tokens there, its text and the stop string are 29).
+# "counts_stop_string" in an entry overrides it.
+COUNTS_STOP_STRING = {"vllm": True, "sglang": True, "llama.cpp": True, "llama-cpp-python": False, "openai": True}
 # Requests in flight to one server unless its entry says "max_concurrent": llama-cpp-python's
 # server interrupts the request it runs when another arrives, so it gets one at a time; the
 # others queue what they cannot run yet themselves.
@@ -61,6 +67,12 @@ def counts_end_of_turn(entry):
     if "counts_end_of_turn" in entry:
         return bool(entry["counts_end_of_turn"])
     return COUNTS_END_OF_TURN[server_of(entry)]
+
+
+def counts_stop_string(entry):
+    if "counts_stop_string" in entry:
+        return bool(entry["counts_stop_string"])
+    return COUNTS_STOP_STRING[server_of(entry)]
 
 
 def max_concurrent(entry, entries):
@@ -165,13 +177,14 @@ def parsed(arguments):
 UNSAID = object()  # the upstream did not say why it stopped
 
 
-def completion_estimate(count, text, finish_reason, stop, end_of_turn_counted, stop_reason=UNSAID):
+def completion_estimate(count, text, finish_reason, stop, end_of_turn_counted, stop_reason=UNSAID, stop_string_counted=True):
     """Our count of a reply from its text, `count` being the upstream's tokenizer. A reply cut
-    at a stop string produced the stop string's tokens too, though none of it is shown. vLLM
-    says which ended it (`stop_reason`: the stop string, or a token id or null for the end of
-    the turn); where the upstream does not say and stop strings were given, the cut is assumed,
-    at the stop string that adds the fewest tokens."""
-    if finish_reason == FinishReason.STOP and stop:
+    at a stop string produced the stop string's tokens too, though none of it is shown, and a
+    server that bills them (`stop_string_counted`) counts them. vLLM says which ended it
+    (`stop_reason`: the stop string, or a token id or null for the end of the turn); where the
+    upstream does not say and stop strings were given, the cut is assumed, at the stop string
+    that adds the fewest tokens."""
+    if finish_reason == FinishReason.STOP and stop and stop_string_counted:
         if isinstance(stop_reason, str) and stop_reason in stop:
             return count(text + stop_reason)
         if stop_reason is UNSAID:

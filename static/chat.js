@@ -133,7 +133,6 @@ function usageLine(usage) {
   return `${usage.prompt_tokens} prompt${cached} + ${usage.completion_tokens} completion = ${usage.total_tokens} tokens · ${formatCost(usage)}`;
 }
 
-// The bar shows the reply's ledger numbers once it has ended: the same ones as under the reply.
 // The bar shows one reply's numbers and says which: the one streaming (live), else the last one
 // that ended (its ledger entry's, as under the reply).
 function showBarNumbers(usage) {

@@ -238,4 +238,4 @@ def test_entries_carry_their_time_to_first_token_and_tokens_per_second(client):
         finished_at=ledger.as_datetime(now + 1.5),
     )  # fmt: skip
     [row] = client.get(URL, **auth).json()["results"]
-    assert (row["queued_ms"], row["time_to_first_token_ms"], row["duration_ms"], row["tokens_per_second"]) == (200, 300, 1500, 10.0)
+    assert (row["queued_ms"], row["first_token_after_start_ms"], row["duration_ms"], row["tokens_per_second"]) == (200, 300, 1500, 10.0)

@@ -228,3 +228,26 @@ def test_an_upstream_silent_for_seconds_before_its_first_token_keeps_the_stream_
     assert max(gaps) < settings.TOKSTREAM_KEEPALIVE_SECONDS + 3 and lines[-1] == "data: [DONE]"
     entry = wait_for_entry(seconds=30, model="llama")
     assert entry.status in ("completed", "length") and entry.prompt_tokens > 1900
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_tool_choice_is_forwarded_as_sent_and_its_answer_relayed_and_billed(front, watched, llama_server, api_key, choice):
+    # This llama-server takes a forced choice (200) but, with SmolLM2's template, answers in
+    # text: what it answers is relayed as it answers it directly, and billed as it counts.
+    body = llama_body({"content": "What is the weather in Oslo?", "tools": [WEATHER], "tool_choice": choice}, max_tokens=40)
+    status, streamed = stream(front, api_key, body)
+    assert status == 200, streamed
+    assert watched.bodies[-1]["tool_choice"] == choice and watched.bodies[-1]["tools"] == [WEATHER]
+    text, _ = direct(llama_server, body)
+    assert content_of(streamed[:-1]) == text
+    entry = wait_for_entry(seconds=30, request_id=streamed[0]["id"])
+    usage = watched.usages[-1]
+    assert entry.usage_source == "upstream" and (entry.prompt_tokens, entry.completion_tokens) == (usage["prompt_tokens"], usage["completion_tokens"])
+
+
+def test_a_forced_tool_choice_is_refused_for_a_local_model_and_without_tools(front, api_key):
+    local = chat_body("Weather?", tools=[WEATHER], tool_choice="required")
+    for body, why in ((local, "upstream models only"), ({**llama_body({"content": "Hi"}), "tool_choice": "required"}, "needs `tools`")):
+        answer = httpx.post(f"{front.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=30)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "tool_choice" and why in answer.json()["error"]["message"]
+    assert not UsageEntry.objects.exists()

@@ -52,6 +52,21 @@ def test_a_stop_string_cut_is_counted_as_the_upstream_says_it_stopped(tokenizer)
     assert estimate() == min(count("one, two three"), count("one, two\n"))  # not said: the cut is assumed
 
 
+def test_a_reply_that_llama_cpp_python_cut_at_a_stop_string_is_counted_without_it(tokenizer):
+    def count(text):
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    def billed(**options):
+        server = entry(**options)
+        return upstream.completion_estimate(
+            count, "one, two", FinishReason.STOP, [","], upstream.counts_end_of_turn(server), upstream.UNSAID, upstream.counts_stop_string(server)
+        )
+
+    assert billed(server="llama-cpp-python") == count("one, two")  # its usage leaves the cut out
+    assert billed(server="vllm") == billed(server="llama.cpp") == count("one, two,")
+    assert billed(server="llama-cpp-python", counts_stop_string=True) == count("one, two,")  # an entry may say otherwise
+
+
 def test_models_of_one_server_share_its_slots_and_llama_cpp_python_gets_one_at_a_time():
     narrow, wide = entry(server="vllm", upstream_model="a", max_concurrent=2), entry(server="vllm", upstream_model="b", max_concurrent=6)
     elsewhere = entry(server="vllm", base_url="http://gpu-2:8000/v1/")

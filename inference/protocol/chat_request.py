@@ -73,6 +73,7 @@ class ChatRequest:
     max_tokens: int | None = None
     n: int = 1
     tools: list[dict] = field(default_factory=list)  # offered to the model (none with tool_choice "none")
+    forced_tool: bool = False  # tool_choice "required" or a named function: the model must call one
     detach: bool = False  # keep running when the client of the POST leaves, for a later resume
     sampling: dict = field(default_factory=dict)  # the engine's SamplingParams, but max_tokens
     sent: dict = field(default_factory=dict)  # the body as the client sent it: what an upstream is forwarded
@@ -206,6 +207,20 @@ class Tool(Strict):
     function: FunctionDefinition
 
 
+class NamedFunction(Strict):
+    name: str
+
+
+class ForcedFunction(Strict):
+    """tool_choice naming the function the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+TOOL_CHOICE_RULE = 'must be "auto", "none", "required" or {"type": "function", "function": {"name": "..."}}.'
+
+
 class StreamOptions(NullMeansDefault):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -237,7 +252,7 @@ class Body(NullMeansDefault):
     tools: Annotated[list[Tool], expected('must be a list of {"type": "function", "function": {"name", "description", "parameters"}}.')] = Field(
         default_factory=list
     )
-    tool_choice: Annotated[Literal["auto", "none"], expected('must be "auto" or "none": other choices are not supported.')] = "auto"
+    tool_choice: Annotated[Literal["auto", "none", "required"] | ForcedFunction, expected(TOOL_CHOICE_RULE)] = "auto"
     tokstream: Extension = Field(default_factory=Extension)
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
@@ -302,7 +317,8 @@ def chat_of(body, data):
         continuous_usage=options.continuous_usage_stats,
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
         n=body.n,
-        tools=data["tools"] if body.tools and body.tool_choice == "auto" else [],  # as sent: the prompt and an upstream show them
+        tools=data["tools"] if body.tools and body.tool_choice != "none" else [],  # as sent: the prompt and an upstream show them
+        forced_tool=body.tool_choice not in ("auto", "none"),
         detach=body.tokstream.detach_on_disconnect,
         sampling=sampling_of(body),
         sent=data,
@@ -358,6 +374,18 @@ def check_combinations(body):
     if body.top_logprobs and not body.logprobs:
         raise invalid("`top_logprobs` needs `logprobs: true`.", param="top_logprobs")
     check_beam_search(body)
+    check_tool_choice(body)
+
+
+def check_tool_choice(body):
+    """A forced call needs something to call (OpenAI's rule too), and a named one a tool of
+    that name."""
+    if body.tool_choice in ("auto", "none"):
+        return
+    if not body.tools:
+        raise invalid('`tool_choice` other than "auto" or "none" needs `tools`.', param="tool_choice")
+    if isinstance(body.tool_choice, ForcedFunction) and body.tool_choice.function.name not in {t.function.name for t in body.tools}:
+        raise invalid(f"`tool_choice` names `{body.tool_choice.function.name}`, which is not one of `tools`.", param="tool_choice")
 
 
 def check_beam_search(body):
