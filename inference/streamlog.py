@@ -101,7 +101,9 @@ def append(client, request_id, *entries):
 
 
 def decode_entries(entries):
-    return [(entry_id, decode(fields["e"])) for entry_id, fields in entries]
+    """(id, entry) of each entry this version knows (a newer writer's new kinds are skipped)."""
+    decoded = ((entry_id, decode(fields["e"])) for entry_id, fields in entries)
+    return [(entry_id, entry) for entry_id, entry in decoded if entry is not None]
 
 
 def read_all(client, request_id):

@@ -7,6 +7,9 @@ const log = $("log");
 const prompt = $("prompt");
 // Text reads smoothly at ~30 paints a second; painting every frame would only add layouts.
 const PAINT_EVERY_MS = 28;
+// A prompt read for longer than this says so; a quick one goes straight to "generating", so the
+// status region does not announce a state nobody had time to see.
+const SLOW_PROMPT_MS = 1000;
 const state = { chat: JSON.parse($("chat-data").textContent), reply: null, following: true };
 
 // -- talking to the server ---------------------------------------------------------------
@@ -215,6 +218,12 @@ function showSavedCalls(node, calls) {
   tools.complete();
 }
 
+function ordinal(n) {
+  const tens = n % 100;
+  const suffix = tens >= 11 && tens <= 13 ? "th" : { 1: "st", 2: "nd", 3: "rd" }[n % 10] || "th";
+  return `${n}${suffix}`;
+}
+
 // -- one streaming reply ---------------------------------------------------------------------
 
 class Reply {
@@ -258,6 +267,7 @@ class Reply {
     if (chunk.error) return this.enqueue({ error: chunk.error.message });
     if (chunk.usage) this.completion = chunk.usage.completion_tokens;
     if (chunk.tokstream?.steered !== undefined) this.enqueue({ steered: chunk.tokstream.steered, refused: chunk.tokstream.error });
+    if (chunk.tokstream && this.firstAt === null) this.showPlace(chunk.tokstream);
     const choice = chunk.choices[0];
     if (!choice) return;
     if (choice.delta.content) this.enqueue({ text: choice.delta.content });
@@ -265,8 +275,22 @@ class Reply {
     if (choice.finish_reason) this.finishReason = choice.finish_reason;
   }
 
+  // Until the first token: how many are in line before this reply (shown once anyone is), then
+  // that its prompt is being read (once it was in line, or when reading it takes a while).
+  showPlace(place) {
+    if (place.queue_position > 0 || (place.queue_position === 0 && this.waited)) {
+      this.waited = true;
+      setStatus(place.queue_position > 0 ? `${ordinal(place.queue_position + 1)} in line` : "next in line");
+    } else if (place.reading_prompt && (this.waited || this.sentAt === null || performance.now() - this.sentAt > SLOW_PROMPT_MS)) {
+      setStatus("reading your prompt");
+    }
+  }
+
   enqueue(item) {
-    if (this.firstAt === null && (item.text || item.call)) this.firstAt = performance.now();
+    if (this.firstAt === null && (item.text || item.call)) {
+      this.firstAt = performance.now();
+      setStatus("generating");
+    }
     this.queue.push(item);
     if (!this.frame) this.frame = requestAnimationFrame((now) => this.onFrame(now));
   }

@@ -1,12 +1,18 @@
 """What people expect of a chat page, in headless Chromium against the live service: Copy on a
 reply and on a code block (read back from the real clipboard), edit-and-resend of the last
-message, and a refused send or regenerate shown in an alert whose Retry does it again."""
+message, a refused send or regenerate shown in an alert whose Retry does it again, and a reply
+that waits for a slot saying where it stands."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from django.conf import settings
 
 from billing.models import UsageEntry
 from inference.models import Chat, Turn
+from tests.sse import auth, events
 from tests.test_chat_page import REPLY, chat_page
 from tests.waiting import eventually
 
@@ -153,3 +159,52 @@ def test_on_a_desktop_a_long_conversation_scrolls_and_never_squeezes_the_setting
     page.wait_for_selector(".turn.assistant")
     assert page.evaluate(height) == empty and empty >= 24
     assert page.evaluate("() => document.querySelector('#log').scrollHeight > document.querySelector('#log').clientHeight")
+
+
+WATCH_STATUS = """() => {
+  window.__statuses = [];
+  new MutationObserver(() => window.__statuses.push(document.querySelector('#status').textContent))
+    .observe(document.querySelector('#status'), {childList: true, characterData: true, subtree: true});
+}"""
+
+
+def test_a_reply_that_waits_for_a_slot_says_its_place_in_line_then_that_its_prompt_is_read(live_service, new_page, api_key):
+    """Every decode slot busy (TOKSTREAM_MAX_RUNNING as shipped) and two API requests queued
+    before it: the page says "3rd in line", then "reading your prompt", then generates. The API
+    streams that waited too never see a place in line (only their opening's queue_position)."""
+    words = " ".join(f"word{n}" for n in range(300))  # about 5 s of the echo model at 15 ms a token
+    body = {"model": "echo", "messages": [{"role": "user", "content": words}], "max_tokens": 400, "stream": True}
+    running, admitted = threading.Semaphore(0), threading.Semaphore(0)
+
+    def ask(_):
+        chunks = []
+        with httpx.stream("POST", f"{live_service.url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=120) as response:
+            admitted.release()
+            for _, data in events(response):
+                chunks.append(data)
+                if len(chunks) == 2:  # the opening, then the first text
+                    running.release()
+        return chunks
+
+    browser = chat_page(new_page, live_service.url)
+    page = browser.page
+    slots = settings.TOKSTREAM_MAX_RUNNING
+    with ThreadPoolExecutor(slots + 2) as pool:
+        fillers = [pool.submit(ask, n) for n in range(slots)]
+        for _ in range(slots):
+            assert running.acquire(timeout=60), "the slots did not fill"
+        queued = [pool.submit(ask, n) for n in range(2)]
+        for _ in range(slots + 2):
+            assert admitted.acquire(timeout=30)
+        page.evaluate(WATCH_STATUS)
+        browser.send("Am I in line?", model="echo")
+        browser.wait_until_done()
+        streams = [future.result() for future in fillers + queued]
+    statuses = page.evaluate("window.__statuses")
+    in_line = [i for i, status in enumerate(statuses) if status.endswith(" in line")]
+    assert in_line and statuses[in_line[0]] == "3rd in line", statuses
+    assert statuses[in_line[-1] + 1 :] == ["reading your prompt", "generating", "done"], statuses
+    assert browser.reply_text().strip() == "Am I in line?"
+    for chunks in streams:
+        assert chunks[-1] == "[DONE]" and [c for c in chunks[1:-1] if "tokstream" in c] == []
+    assert browser.errors == []

@@ -445,3 +445,17 @@ def test_a_beam_search_ends_cleanly_in_a_full_cache_whose_prefix_another_request
     [beams] = [o for o in outputs if o.request_id == "beams" and o.finished]
     assert beams.finish_reason == "stop" and beams.error is None
     assert engine.pool.reserved == 0 and all(n == 0 for n in engine.pool.refs)
+
+
+def test_a_request_without_a_token_is_told_its_place_in_line_as_the_line_moves(tokenizer):
+    """One slot: each request is told how many are in line before it (the one whose prompt is
+    being read counts), then that its own prompt is read; later choices of a request say nothing."""
+    engine, _ = make_engine(tokenizer, {name: ids(tokenizer, " one two") + [2] for name in ("a", "b.0", "b.1", "c")}, max_running=1, tells_places=True)
+    engine.add(Request("a", [5, 6, 7], SamplingParams(max_tokens=5, **GREEDY)))
+    engine.add(*choices("b", [8, 9], SamplingParams(max_tokens=5, **GREEDY), n=2))
+    engine.add(Request("c", [10], SamplingParams(max_tokens=5, **GREEDY)))
+    outputs = run(engine)
+    places = [(o.request_id, "reading" if o.reading else o.ahead) for o in outputs if o.reading or o.ahead is not None]
+    assert places == [("a", "reading"), ("b.0", 1), ("c", 2), ("b.0", 0), ("c", 1), ("b.0", "reading"), ("c", 0), ("c", "reading")]
+    assert all(o.text == "" and not o.finished for o in outputs if o.reading or o.ahead is not None)
+    assert text_of(outputs, "b.1") == text_of(outputs, "c") == " one two"

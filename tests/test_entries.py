@@ -3,7 +3,9 @@ reads (a rolling deploy runs both), and what a newer writer adds, this one ignor
 
 import json
 
-from inference.protocol.entries import Accepted, Delta, End, Open, Steer, ToolArgs, ToolStart, decode, encode
+from inference.gateway.admission import Admitted
+from inference.protocol.chunks import ChunkWriter
+from inference.protocol.entries import Accepted, Delta, End, Line, Open, Steer, ToolArgs, ToolStart, decode, encode
 
 # As the dict-literal writers wrote them before the entries were types.
 OLD_FORMAT = [
@@ -31,6 +33,26 @@ def test_an_old_log_reads_back_as_the_same_entries():
 
 def test_a_field_of_a_newer_writer_is_ignored():
     assert decode(json.dumps({"t": "delta", "text": "a", "n": 1, "from_the_future": True})) == Delta("a", 1)
+
+
+def test_a_kind_of_a_newer_writer_is_skipped_by_readers():
+    from inference import streamlog
+
+    assert decode(json.dumps({"t": "from_the_future", "x": 1})) is None
+    log = [("1-0", {"e": encode(Delta("a", 1))}), ("2-0", {"e": '{"t": "from_the_future"}'}), ("3-0", {"e": encode(End(["stop"]))})]
+    assert streamlog.decode_entries(log) == [("1-0", Delta("a", 1)), ("3-0", End(["stop"]))]
+
+
+def test_a_place_in_line_reaches_the_chat_page_and_no_api_stream():
+    assert json.loads(encode(Line(2))) == {"t": "line", "ahead": 2} and json.loads(encode(Line())) == {"t": "line"}
+    assert decode(encode(Line(2))) == Line(2) and decode(encode(Line())) == Line()
+    admitted = Admitted("chatcmpl-1", "m", 1700000000, 7)
+    page = ChunkWriter(admitted, include_usage=True, continuous_usage=True, places=True)
+    [waiting] = page.chunks(Line(2))
+    [reading] = page.chunks(Line())
+    assert waiting["choices"] == [] and waiting["tokstream"] == {"queue_position": 2}
+    assert reading["choices"] == [] and reading["tokstream"] == {"reading_prompt": True}
+    assert ChunkWriter(admitted, include_usage=True).chunks(Line(2)) == []
 
 
 def test_an_upstreams_acceptance_and_refusal_read_back_as_written():

@@ -29,7 +29,7 @@ from inference.protocol.chunks import (
     unnumbered_frames,
     valid_event_id,
 )
-from inference.protocol.entries import TEXT_KINDS, Delta, End, Open
+from inference.protocol.entries import TEXT_KINDS, Accepted, Delta, End, Line, Open
 from inference.protocol.errors import (
     ApiError,
     invalid,
@@ -47,6 +47,9 @@ class ClientGone(Exception):
 # A comment line alone, without the blank line that ends an event: once a stream has sent an
 # id, the openai SDK turns any blank line into an event and fails on its empty data.
 KEEPALIVE = b": keep-alive\n"
+# How often a chat page's reply that waits for a worker reads its place in the queue: a ZRANK a
+# second for each such page, and a place a second late is still news.
+QUEUE_PLACE_SECONDS = 1.0
 
 
 def retry_hint():
@@ -265,6 +268,8 @@ class SseBody:
             self.retry = b""
 
     async def frames(self, data, entry):
+        if not data and not isinstance(entry, Accepted):
+            return  # an entry this reader is not shown (a place in line, for an API stream)
         if self.held is not None and isinstance(entry, End) and entry.refusal:
             self.held = None
             return await self.response.error(error_of(entry))
@@ -292,15 +297,43 @@ async def relay_sse(response, client, writer, admitted, last_event_id="", hold=F
     body = SseBody(response, admitted, hold)
     if not hold:
         await body.start()
+    watch = asyncio.ensure_future(tell_queue_place(body, client, writer)) if writer.places else None
     try:
         async for entry_id, entry in entries(client, admitted, last_id, on_idle=body.keep_alive):
+            if watch is not None and not isinstance(entry, Open):
+                await stopped(watch)  # past its opening, a worker took it: its engine tells the rest
             await body.frames(sse_frames(entry_id, writer.chunks(entry), done=isinstance(entry, End), skip=skip), entry)
             skip = 0
     except Exception as exc:  # Redis failed or forgot the request: an ending, never silence
         log.warning("the stream of %s was interrupted: %r", admitted.request_id, exc)
         writer.interrupted = True
-        return await body.end(unnumbered_frames(writer.interrupted_chunks(interruption(exc))))
-    await body.end()
+        ending = unnumbered_frames(writer.interrupted_chunks(interruption(exc)))
+    else:
+        ending = b""
+    finally:
+        if watch is not None:
+            await stopped(watch)
+    await body.end(ending)
+
+
+async def tell_queue_place(body, client, writer):
+    """The chat page's reply while it waits for a worker to take it: its place in its model's
+    queue each time it moves (the opening told where it joined). Events without ids: they are
+    not in the log, and a resume never needs them."""
+    admitted, told = writer.admitted, None
+    while True:
+        await asyncio.sleep(QUEUE_PLACE_SECONDS)
+        place = await client.zrank(streamlog.queue_key(admitted.model), admitted.request_id)
+        if place is None:
+            return  # a worker took it (or it ended)
+        if place != told:
+            told = place
+            await body.send(unnumbered_frames(writer.chunks(Line(place)), done=False))
+
+
+async def stopped(task):
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def interruption(exc):
@@ -425,9 +458,9 @@ class CompletionEvents(StreamingApp):
 
 def resumed_writer(admitted, meta, owner, resumed):
     """A key's reader gets the chunks the request asked for, so a resume continues the same
-    stream; the chat page (a session) always gets the usage, live."""
+    stream; the chat page (a session) always gets the usage, live, and its place in line."""
     if owner.api_key_id is None:
-        return ChunkWriter(admitted, include_usage=True, continuous_usage=True, resumed=resumed)
+        return ChunkWriter(admitted, include_usage=True, continuous_usage=True, resumed=resumed, places=True)
     return ChunkWriter(admitted, meta.get("include_usage") == "1", meta.get("continuous_usage") == "1", resumed=resumed)
 
 

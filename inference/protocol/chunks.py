@@ -7,6 +7,7 @@ from inference.protocol.entries import (
     TOOL_KINDS,
     Accepted,
     Delta,
+    Line,
     Open,
     Steer,
     ToolArgs,
@@ -19,7 +20,7 @@ from inference.protocol.errors import ApiError
 class ChunkWriter:
     """Every chunk of one request carries the same id and created (as OpenAI's do)."""
 
-    def __init__(self, admitted, include_usage=False, continuous_usage=False, resumed=False):
+    def __init__(self, admitted, include_usage=False, continuous_usage=False, resumed=False, places=False):
         self.base = {
             "id": admitted.request_id,
             "object": "chat.completion.chunk",
@@ -33,6 +34,7 @@ class ChunkWriter:
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
         self.resumed = resumed  # a resumed reader has seen the role already
+        self.places = places  # the chat page's: it shows where a request stands in line
         self.roles_sent = set()
 
     def chunks(self, entry):
@@ -46,6 +48,8 @@ class ChunkWriter:
             return [self.tool_chunk(entry)]
         if isinstance(entry, Accepted):
             return []
+        if isinstance(entry, Line):
+            return [self.line_chunk(entry)] if self.places else []
         return self.end_chunks(entry)
 
     def opening(self, index):
@@ -62,6 +66,12 @@ class ChunkWriter:
         if self.continuous_usage:
             chunk["usage"] = usage_of(self.prompt_tokens, 0)
         return chunk
+
+    def line_chunk(self, entry):
+        """Our extension, for the chat page: before the first token, the requests in line before
+        this one, or that its prompt is being read. No choices, as a usage chunk."""
+        place = {"queue_position": entry.ahead} if entry.ahead is not None else {"reading_prompt": True}
+        return {**self.chunk([]), "tokstream": place}
 
     def delta_chunk(self, entry):
         index = entry.i
@@ -159,10 +169,10 @@ def sse_frames(entry_id, payloads, done=False, skip=0):
     return "".join(f"id: {i}\ndata: {d}\n\n" for i, d in list(zip(ids, data))[skip:] if d).encode()
 
 
-def unnumbered_frames(payloads):
-    """Events that are not in the log (a stream cut short), then [DONE]: without ids, so a
-    reconnect resumes from the last event that was."""
-    data = [json.dumps(p, separators=(",", ":")) for p in payloads if p] + ["[DONE]"]
+def unnumbered_frames(payloads, done=True):
+    """Events that are not in the log (a stream cut short, then [DONE]; a place in the queue):
+    without ids, so a reconnect resumes from the last event that was."""
+    data = [json.dumps(p, separators=(",", ":")) for p in payloads if p] + (["[DONE]"] if done else [])
     return "".join(f"data: {d}\n\n" for d in data).encode()
 
 

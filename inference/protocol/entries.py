@@ -88,6 +88,16 @@ class Accepted:
 
 
 @dataclass(frozen=True)
+class Line:
+    """Before its first token, where a request stands in its engine: `ahead` requests are in
+    line before it (their prompts being read, or waiting to be), or, without `ahead`, its own
+    prompt is being read. The chat page shows it; an API stream does not."""
+
+    ahead: int | None = None
+    t = "line"
+
+
+@dataclass(frozen=True)
 class End:
     """The last entry: each choice's finish reason and the usage, or the error that ended it.
     `refusal` is an upstream's refusal before its first byte, as its client is to be told it:
@@ -106,8 +116,8 @@ def usage_of(prompt_tokens, completion_tokens):
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-KINDS = {kind.t: kind for kind in (Open, Delta, Steer, ToolStart, ToolArgs, Accepted, End)}
-Entry = Open | Delta | Steer | ToolStart | ToolArgs | Accepted | End
+KINDS = {kind.t: kind for kind in (Open, Delta, Steer, ToolStart, ToolArgs, Accepted, Line, End)}
+Entry = Open | Delta | Steer | ToolStart | ToolArgs | Accepted | Line | End
 TOOL_KINDS = (ToolStart, ToolArgs)
 TEXT_KINDS = (Delta, ToolStart, ToolArgs)  # what a client sees as the reply's content
 
@@ -137,8 +147,11 @@ def encode(entry):
 
 def from_dict(data):
     """The entry a JSON object encodes; a field this version does not know (a newer writer's)
-    is left out, so that a log stays readable while processes of two versions run."""
-    kind = KINDS[data["t"]]
+    is left out, and a kind it does not know is None (its readers skip it), so that a log stays
+    readable while processes of two versions run."""
+    kind = KINDS.get(data["t"])
+    if kind is None:
+        return None
     names, _ = layout(kind)
     return kind(**{name: value for name, value in data.items() if name in names})
 

@@ -222,6 +222,7 @@ def build_engine(lm):
         weights=settings.TOKSTREAM_WEIGHTS,
         formats_file=formats_file(lm),
         kv_dtype=settings.TOKSTREAM_KV_DTYPE,
+        tells_places=True,  # the chat page shows them
     )
     if isinstance(engine.runner, LlamaRunner):
         drop_model_matrices(lm.model, engine.runner.weights)

@@ -16,7 +16,7 @@ from celery.worker import state as worker_state
 from django.conf import settings
 
 from inference import lifecycle, registry, streamlog, upstream
-from inference.protocol.entries import Delta, FinishReason, Steer, ToolArgs, ToolStart
+from inference.protocol.entries import Delta, FinishReason, Line, Steer, ToolArgs, ToolStart
 from inference.protocol.payloads import GENERATE, GenerateTask
 from inference.protocol.tools import ToolCallParser
 from inference.worker.engine import SamplingParams, choices
@@ -132,6 +132,8 @@ def next_output(loop, outbox):
 
 
 def log_entries(output, requests, parser=None):
+    if output.reading or output.ahead is not None:
+        return [Line(output.ahead)]
     entries = [steer_entry(output, requests)] if output.steered else []
     if parser is None:
         events = [("content", output.text)] if output.text else []

@@ -80,6 +80,7 @@ class Request:
     drafter: Drafter | None = None
     drafted: int = 0  # draft tokens verified
     draft_kept: int = 0  # of those, the ones the model agreed with
+    place: object = None  # what its client was last told of its place in line (Output.ahead, or READING)
 
     def __post_init__(self):
         self.group = self.group or self.request_id
@@ -118,6 +119,13 @@ class Output:
     steered: str | None = None  # steering text that took effect before this output's text
     logprobs: list[dict] = field(default_factory=list)  # one entry per token of this step
     index: int = 0  # the choice
+    # Before its first token: how many requests are in line before it, or (reading) that its
+    # own prompt is being computed. Only the chat page shows it.
+    ahead: int | None = None
+    reading: bool = False
+
+
+READING = "reading"
 
 
 def merged(earlier, later):
@@ -145,7 +153,7 @@ class Engine:
             runner = LlamaRunner(lm.model, pool, lm.device, lm.context_length, weights)
         return cls(runner, lm.tokenizer, lm.stop_ids, lm.context_length, **options)
 
-    def __init__(self, runner, tokenizer, stop_ids, context_length, max_running=8, step_tokens=24, idle_chunk=512, clock=time.time):
+    def __init__(self, runner, tokenizer, stop_ids, context_length, max_running=8, step_tokens=24, idle_chunk=512, clock=time.time, tells_places=False):
         self.runner = runner
         self.pool = runner.pool
         self.kv = KVCacheManager(runner.pool)
@@ -155,6 +163,7 @@ class Engine:
         self.context_length = context_length
         self.max_running = max_running
         self.clock = clock
+        self.tells_places = tells_places  # outputs that say where a request stands before its first token
         self.waiting = deque()
         self.running = []
         self.stats = Counter()  # computed_prompt_tokens, cached_prompt_tokens, steps, ...
@@ -200,6 +209,8 @@ class Engine:
         self._drop_finished()
         outputs += self._apply_steers() + self._make_room() + self._admit()
         scheduled = self.scheduler.schedule(self.running)
+        if self.tells_places:
+            outputs += self._tell_places(scheduled)
         if scheduled:
             self.stats["steps"] += 1
             try:
@@ -208,7 +219,26 @@ class Engine:
                 log.exception("engine step failed")
                 outputs += self.fail_all(f"generation failed: {exc}")
         self._drop_finished()
-        return [o for o in outputs if o and (o.text or o.finished or o.steered or o.logprobs or o.error)]
+        return [o for o in outputs if o and (o.text or o.finished or o.steered or o.logprobs or o.error or o.ahead is not None or o.reading)]
+
+    def _tell_places(self, scheduled):
+        """Where each request still without a token stands, told when it changes: the requests
+        in line before it (running ones whose prompts are being read, then the queue), or that
+        its own prompt is being read. A request's later choices follow its first and say nothing."""
+        computing = {id(request) for request, _ in scheduled}
+        with self._lock:
+            line = [*self.running, *self.waiting]
+        outputs, ahead = [], 0
+        for request in line:
+            if request.index or request.first_token_at is not None or request.beam_tables:
+                continue
+            running = request.status is RequestStatus.RUNNING
+            place = READING if running and (request.place == READING or id(request) in computing) else ahead
+            if place != request.place:
+                request.place = place
+                outputs.append(self._output(request, reading=True) if place == READING else self._output(request, ahead=place))
+            ahead += 1
+        return outputs
 
     def _forward(self, chunks):
         start = time.perf_counter()
