@@ -5,4 +5,4 @@ class InferenceConfig(AppConfig):
     name = "inference"
 
     def ready(self):
-        from inference.chat import receivers  # noqa: F401  (connects the chat page to request ends)
+        from inference import replies  # noqa: F401  (settles chat replies as requests end, in every process)

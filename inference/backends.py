@@ -19,8 +19,7 @@ import json
 
 from django.conf import settings
 
-from billing import counting, tiktoken_offline
-from inference import registry, upstream
+from inference import counting, registry, tiktoken_offline, upstream
 from inference.protocol import tools
 from inference.protocol.errors import ApiError, invalid
 
@@ -34,6 +33,19 @@ NOT_RELAYED = {"n": 1, "beam_width": 1, "logprobs": False}
 def of(name):
     kinds = {"echo": EchoBackend, "openai-compatible": UpstreamBackend}
     return kinds.get(registry.source(name), LocalBackend)(name)
+
+
+class Catalog:
+    """The models a request may name, as the request schema asks of them."""
+
+    def exists(self, name):
+        return registry.exists(name)
+
+    def vocabulary_size(self, name):
+        return of(name).vocabulary_size()
+
+
+CATALOG = Catalog()
 
 
 def warm_tokenizers():

@@ -13,9 +13,9 @@ import json
 
 from django.core.exceptions import ImproperlyConfigured
 
-from billing.tiktoken_offline import ENCODINGS
 from inference.protocol.entries import FinishReason
 from inference.protocol.errors import invalid
+from inference.tiktoken_offline import ENCODINGS
 
 # What the relay answers for itself rather than forwarding as sent: the model (the upstream's
 # name for it), the stream (always one) and its options (the usage always asked for), and our

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from billing.models import UsageEntry
+from inference.backends import CATALOG
 from inference.protocol import chat_request
 from tests import asgi
 from tests.sse import MODEL, auth, chat_body
@@ -96,7 +97,7 @@ def test_it_takes_the_message_fields_openai_defines():
         {"role": "assistant", "content": None, "tool_calls": [CALL], "refusal": None},
         {"role": "tool", "content": "Sunny.", "tool_call_id": "call_1"},
     ]
-    parsed = chat_request.parse(json.dumps({"model": MODEL, "messages": messages}).encode(), "application/json")
+    parsed = chat_request.parse(json.dumps({"model": MODEL, "messages": messages}).encode(), "application/json", CATALOG)
     assert parsed.messages[2]["tool_calls"] == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
     assert [m["role"] for m in parsed.messages] == ["system", "user", "assistant", "tool"]
 

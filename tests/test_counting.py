@@ -2,7 +2,7 @@
 
 import pytest
 
-from billing import counting, tiktoken_offline
+from inference import counting, tiktoken_offline
 
 # The example conversation of OpenAI's token-counting guide.
 EXAMPLE = [

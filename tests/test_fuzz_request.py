@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from billing.models import UsageEntry
+from inference.backends import CATALOG
 from inference.gateway import prompt_count, views
 from inference.protocol import chat_request
 from inference.protocol.errors import ApiError
@@ -169,7 +170,7 @@ TRIGGERS = {
 @pytest.mark.parametrize("body,param", TRIGGERS.values(), ids=TRIGGERS.keys())
 def test_it_refuses_each_trigger_with_a_400(body, param):
     with pytest.raises(ApiError) as refused:
-        chat_request.parse(body, "application/json")
+        chat_request.parse(body, "application/json", CATALOG)
     assert (refused.value.status, refused.value.param) == (400, param)
 
 
@@ -195,18 +196,18 @@ def test_it_refuses_each_trigger_with_a_400(body, param):
 )
 def test_it_refuses_other_holes_the_fuzz_found(fields, param):
     with pytest.raises(ApiError) as refused:
-        chat_request.parse(chat_with(**fields), "application/json")
+        chat_request.parse(chat_with(**fields), "application/json", CATALOG)
     assert (refused.value.status, refused.value.param) == (400, param)
 
 
 def test_it_keeps_arguments_too_deep_to_parse_as_text():
     calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 5000}}]
-    chat = chat_request.parse(chat_with(messages=[{"role": "assistant", "content": "", "tool_calls": calls}]), "application/json")
+    chat = chat_request.parse(chat_with(messages=[{"role": "assistant", "content": "", "tool_calls": calls}]), "application/json", CATALOG)
     assert chat.messages[0]["tool_calls"] == [{"name": "f", "arguments": "[" * 5000}]
 
 
 def test_it_still_takes_null_for_not_given():
-    chat = chat_request.parse(chat_with(tools=None, tool_choice=None, logit_bias=None, tokstream=None, seed=None), "application/json")
+    chat = chat_request.parse(chat_with(tools=None, tool_choice=None, logit_bias=None, tokstream=None, seed=None), "application/json", CATALOG)
     assert chat.tools == [] and chat.sampling["logit_bias"] == {} and chat.sampling["seed"] is None
 
 
@@ -220,7 +221,7 @@ def test_steering_refuses_text_it_cannot_keep(content):
 
 def test_the_fuzz_starts_from_bodies_the_parser_accepts():
     for stream in (True, False):
-        chat = chat_request.parse(json.dumps(valid_body(stream)).encode(), "application/json")
+        chat = chat_request.parse(json.dumps(valid_body(stream)).encode(), "application/json", CATALOG)
         assert chat.max_tokens == 1 and chat.tools
 
 

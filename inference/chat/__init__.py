@@ -1,1 +1,1 @@
-"""The chat page (web process): its views, conversations, and the receiver that settles a reply when its request ends."""
+"""The chat page (web process): its views and conversations. Its replies are settled as requests end by inference/replies.py, which every process loads."""

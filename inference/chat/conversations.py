@@ -1,5 +1,5 @@
-"""The chat page's conversations: the messages a reply is asked with, and each reply settled
-(text, tool calls, steering marks, ending) from its request's log once the request ends."""
+"""The chat page's conversations: the messages a reply is asked with, and the chats and turns
+the page shows (a reply still streaming is settled first: inference/replies.py)."""
 
 import json
 import logging
@@ -7,19 +7,17 @@ import logging
 from django.db import transaction
 
 from billing.models import UsageEntry
-from inference import streamlog
+from inference import backends, streamlog
 from inference.gateway import prompt_count
 from inference.gateway.admission import Owner, admit
 from inference.models import TITLE_CHARS, Chat, Turn
-from inference.protocol import chat_request, chunks
-from inference.protocol.entries import Delta, End, Steer, choice_of
+from inference.protocol import chat_request
 from inference.protocol.errors import ApiError, invalid
+from inference.replies import settle
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_CHARS = 32000
 PARAMETERS = ("model", "temperature", "max_tokens", "seed", "tools")  # passed on as the API takes them
-LOST = "The reply's text had expired from the stream log before it was saved."
-GONE = "The reply was lost: its request is known neither to the stream log nor to the ledger."
 
 
 def messages_of(chat, new_user_text=None, turns=None):
@@ -45,7 +43,7 @@ def checked_text(value, param, required=True):
 def ask(user, chat, messages, body):
     """Check and queue a reply to `messages` with the page's parameters; nothing is written
     when it is refused."""
-    request = chat_request.parse(request_json(body, messages, stream=True), "application/json")
+    request = chat_request.parse(request_json(body, messages, stream=True), "application/json", backends.CATALOG)
     return request.model, admit(request, Owner(user_id=user.pk))
 
 
@@ -166,46 +164,6 @@ def check_idle(chat):
         settle(turn)
         if turn.streaming:
             raise ApiError(409, "A reply is still being written in this chat: stop it or wait for it.", code="reply_in_progress")
-
-
-def settle(turn):
-    """Fill a streaming reply from its log once the log has its end; True if it did."""
-    if not turn.streaming:
-        return False
-    client = streamlog.sync_client()
-    entries = [entry for _, entry in streamlog.read_all(client, turn.request_id)]
-    if entries and isinstance(entries[-1], End):
-        fill(turn, entries)
-    elif not entries and not streamlog.load_meta(client, turn.request_id):
-        # Its log and metadata expired (or Redis lost them): whatever happened, it is over.
-        ended = UsageEntry.objects.filter(request_id=turn.request_id).exists()
-        turn.finish_reason, turn.error = "error", LOST if ended else GONE
-    else:
-        return False
-    turn.save(update_fields=["content", "tool_calls", "steering", "finish_reason", "error"])
-    return True
-
-
-def fill(turn, entries):
-    """Choice 0's text, calls and steering marks (the page asks for one choice)."""
-    ours = [entry for entry in entries if choice_of(entry) == 0]
-    text = []
-    for entry in ours:
-        if isinstance(entry, Delta):
-            text.append(entry.text)
-        elif isinstance(entry, Steer) and entry.error is None:
-            turn.steering.append({"at": len("".join(text)), "text": entry.text})
-    end = entries[-1]
-    turn.content = "".join(text)
-    turn.tool_calls = chunks.tool_calls(ours)
-    turn.finish_reason = end.finish_reasons[0]
-    turn.error = end.error or ""
-
-
-def settle_request(request_id):
-    """Called by the worker as a request ends, so the chat keeps the reply whatever the page does."""
-    for turn in Turn.objects.filter(request_id=request_id, finish_reason=""):
-        settle(turn)
 
 
 def events_url(request_id):

@@ -9,7 +9,7 @@ from django.http import JsonResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
-from inference import registry
+from inference import backends, registry
 from inference.chat import conversations as chats
 from inference.gateway.admission import Owner, admit
 from inference.gateway.views import cancel, error_response, steer, steering_text
@@ -143,7 +143,7 @@ def message_edit(request, chat_id):
 @session_api("POST")
 def chat_create(request):
     """A bare completion for the signed-in user (no chat kept): same checks and queue as the API."""
-    admitted = admit(chat_request.parse(request.body, request.content_type), Owner(user_id=request.user.pk))
+    admitted = admit(chat_request.parse(request.body, request.content_type, backends.CATALOG), Owner(user_id=request.user.pk))
     return JsonResponse({"id": admitted.request_id, "events_url": chats.events_url(admitted.request_id), "prompt_tokens": admitted.prompt_tokens})
 
 

@@ -15,7 +15,7 @@ from inference.protocol.chat_request import checked_max_tokens
 
 def tokenize(body, content_type):
     """The answer of POST /v1/tokenize; refusals are the chat endpoint's, word for word."""
-    chat = chat_request.parse(body, content_type)
+    chat = chat_request.parse(body, content_type, backends.CATALOG)
     _, prompt_tokens = prompt_of(chat)
     max_tokens = checked_max_tokens(chat, prompt_tokens, room_for(chat), settings.TOKSTREAM_DEFAULT_MAX_TOKENS)
     return {

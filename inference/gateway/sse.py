@@ -394,7 +394,7 @@ class ChatCompletions(StreamingApp):
         if scope["method"] != "POST":
             raise ApiError(405, "Use POST for /v1/chat/completions.", code="method_not_allowed")
         owner = await database_sync_to_async(required_owner)(header(scope, b"authorization"))
-        chat = chat_request.parse(await read_body(scope, receive), header(scope, b"content-type"))
+        chat = chat_request.parse(await read_body(scope, receive), header(scope, b"content-type"), backends.CATALOG)
         return chat, await sync_to_async(admit_in_pool, thread_sensitive=False)(chat, owner)
 
 

@@ -3,7 +3,11 @@
 The body's shape is OpenAI's request schema, as pydantic models in strict mode: "1" is not an
 integer, true is not a number, 1.0 is not an integer. Before them, a walk over the whole
 document refuses what JSON can carry but nothing after us can keep; after them, the rules that
-tie one field to another."""
+tie one field to another.
+
+It imports nothing of the project outside protocol/, so that any process may parse: what it
+must know of the models (whether one exists, its vocabulary) it asks of the `models` catalog
+that the caller passes (backends.CATALOG)."""
 
 import json
 import math
@@ -21,7 +25,6 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from inference import backends, registry
 from inference.protocol.errors import ApiError, invalid, not_found
 
 ROLES = ("assistant", "developer", "system", "tool", "user")
@@ -274,8 +277,8 @@ class Body(NullMeansDefault):
 
     @field_validator("model")
     @classmethod
-    def model_exists(cls, name):
-        if not registry.exists(name):
+    def model_exists(cls, name, info):
+        if not info.context["models"].exists(name):
             raise PydanticCustomError("model_not_found", "The model `{name}` does not exist.", {"name": name})
         return name
 
@@ -284,7 +287,7 @@ class Body(NullMeansDefault):
     def in_the_vocabulary(cls, bias, info):
         """Only a known model has a vocabulary; an unknown one is told of first."""
         model = info.data.get("model")
-        vocabulary = backends.of(model).vocabulary_size() if bias and model else 0
+        vocabulary = info.context["models"].vocabulary_size(model) if bias and model else 0
         for token in bias:
             if int(token) >= vocabulary:
                 raise PydanticCustomError("expected", "has {token}, which is not a token id of this model.", {"token": repr(token)})
@@ -294,13 +297,14 @@ class Body(NullMeansDefault):
 # -- parse ------------------------------------------------------------------------------------
 
 
-def parse(body, content_type):
+def parse(body, content_type, models):
+    """The checked request; `models` answers exists(name) and vocabulary_size(name)."""
     if content_type.split(";")[0].strip().lower() != "application/json":
         raise invalid("Content-Type must be application/json.")
     data = json_object(body)
     check_values(data)
     try:
-        checked = Body.model_validate(data)
+        checked = Body.model_validate(data, context={"models": models})
     except ValidationError as exc:
         raise refusal(exc) from None
     check_combinations(checked)

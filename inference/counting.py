@@ -2,7 +2,7 @@
 message's framing, the reply's priming and what tool definitions add (the rules of OpenAI's
 token-counting guide). Local models are never counted this way: their counts are the ids."""
 
-from billing.tiktoken_offline import encoding
+from inference.tiktoken_offline import encoding
 
 TOKENS_PER_MESSAGE = 3  # <|start|>{role}<|message|> ... <|end|>
 TOKENS_PER_NAME = 1
