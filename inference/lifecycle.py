@@ -2,18 +2,25 @@
 
 Admitted: a pending row in the database (with its budget hold) and, in Redis, its metadata,
 its log and its state key, "queued". A worker that prefetched it names itself in the metadata,
-so readers watch that worker. Claimed, atomically, by one worker: "running <worker>". Ended
-once: the ledger entry, the hold given back and the pending row removed in one transaction;
-then the end entry and the state "ended" in one Redis step. Whoever ends it (its worker, a
-reader that found the worker dead, a worker that finds it unclaimable, or the sweeper) goes
-through `end`, and a second ender finds the ledger row and the "ended" state and adds nothing.
+so readers watch that worker. Claimed by one worker: "running <worker>". Ended once: the ledger
+entry, the hold given back and the pending row removed in one transaction; then the end entry
+and the state "ended" in one Redis step; then, for the ender that wrote the ledger row only,
+the metrics and `request_finished`.
+
+Whether a request is over is one pure function, `verdict`, of one read of Redis (`Seen`) and
+the time. Its worker claiming it, a reader whose log went quiet, the relay waiting for an
+upstream slot, the cancel endpoint and the sweeper all ask it; each then applies the transition
+it decided with `apply`, a Lua script that makes it only if the state is still the one read, so
+two askers never both take a request. Whoever ends it goes through `end`, and a second ender
+finds the ledger row and the "ended" state and adds nothing.
 """
 
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from enum import StrEnum
 
 from django.conf import settings
 from django.db import close_old_connections, transaction
@@ -26,59 +33,116 @@ from inference.protocol.entries import Delta, End, FinishReason, encode, usage_o
 from inference.signals import request_finished
 
 log = logging.getLogger(__name__)
-ENDING, ENDED, RUNNING = "ending", "ended", "running "
-# Why a request could not run, as its end entry says (and a non-streamed answer's 503).
-CODES = {"expired": "queue_timeout", "lost": "request_lost", "orphaned": "worker_unavailable", "unserved": "worker_unavailable"}
-MESSAGES = {
-    "expired": "The request waited longer than TOKSTREAM_QUEUE_TIMEOUT for a worker; it was not run.",
-    "lost": "The request's state was lost (Redis restarted) before it ended.",
-    "orphaned": "The worker running the request stopped answering; the request was abandoned.",
-    "unserved": "No worker took the request: the workers of its model stopped or are shutting down; it was not run.",
-}
+ENDING, ENDED, RUNNING, QUEUED = "ending", "ended", "running ", "queued"
 
-CLAIM = """
-local state = redis.call('GET', KEYS[1])
-if not state then return 'lost' end
-if state == 'ended' or state == 'ending' then return 'ended' end
-if string.sub(state, 1, 8) == 'running ' then
+
+class Verdict(StrEnum):
+    """Why a request is over, as `verdict` finds it; the end entry's code says the same."""
+
+    LOST = "lost"  # Redis no longer knows it
+    ENDED = "ended"  # its end entry is written
+    ENDING = "ending"  # someone is ending it: its end entry comes next
+    CANCELLED = "cancelled"  # its client left (or pressed stop) before it ran
+    EXPIRED = "expired"  # it waited past the deadline admission stored
+    ORPHANED = "orphaned"  # the worker that holds it (or its ender) stopped
+    UNSERVED = "unserved"  # no live worker takes its model's requests
+
+
+# Why a request could not run, as its end entry says (and a non-streamed answer's 503).
+CODES = {Verdict.EXPIRED: "queue_timeout", Verdict.LOST: "request_lost", Verdict.ORPHANED: "worker_unavailable", Verdict.UNSERVED: "worker_unavailable"}
+MESSAGES = {
+    Verdict.EXPIRED: "The request waited longer than TOKSTREAM_QUEUE_TIMEOUT for a worker; it was not run.",
+    Verdict.LOST: "The request's state was lost (Redis restarted) before it ended.",
+    Verdict.ORPHANED: "The worker running the request stopped answering; the request was abandoned.",
+    Verdict.UNSERVED: "No worker took the request: the workers of its model stopped or are shutting down; it was not run.",
+}
+ENDER_GRACE = 30  # seconds an ender may take between taking a request over and its end entry
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One read of what decides whether a request is over: its state, what admission and the
+    workers wrote in its metadata, its cancel flag and the workers' beats."""
+
+    state: str | None
+    worker: str | None = None  # the worker that prefetched it, while queued
+    deadline: float | None = None  # stored at admission
+    ending_at: float | None = None
+    claim: str | None = None  # the token of the claim that took it
+    cancelled: bool = False
+    beats: dict = field(default_factory=dict)
+
+    FIELDS = ("worker", "deadline", "ending_at", "claim")
+
+    @classmethod
+    def read(cls, pipe, request_id):
+        """Queue the reads on a pipeline (sync or asyncio) and return how to make a Seen of its
+        replies: `Seen.of(replies)`."""
+        pipe.get(state_key(request_id)).hmget(streamlog.key(request_id, "meta"), *cls.FIELDS)
+        pipe.exists(streamlog.key(request_id, "cancel")).hgetall(streamlog.workers_key())
+
+    @classmethod
+    def of(cls, replies):
+        state, (worker, deadline, ending_at, claim), cancelled, beats = replies
+        return cls(state, worker or None, number(deadline), number(ending_at), claim, bool(cancelled), beats)
+
+
+def number(text):
+    return float(text) if text else None
+
+
+def verdict(seen, model, now, by=None):
+    """Why the request is over, or None while it is not: the one rule every reader, the
+    sweeper, the relay and the claim apply. `by` is the worker asking of a request it is taking
+    or holds without having started it (a claim, a relay waiting for an upstream slot): its own
+    claim is no reason to stop, its client leaving and the deadline are."""
+    state = seen.state
+    if state is None:
+        return Verdict.LOST
+    if state == ENDED:
+        return Verdict.ENDED
+    if state == ENDING:  # its ender stopped before writing the end: end it again
+        return Verdict.ORPHANED if now - (seen.ending_at or 0) > ENDER_GRACE else Verdict.ENDING
+    held = holder(state)
+    if held and held != by:
+        return None if streamlog.beating(seen.beats, held, model, now) else Verdict.ORPHANED
+    if seen.cancelled:
+        return Verdict.CANCELLED
+    if seen.deadline and now > seen.deadline:
+        return Verdict.EXPIRED
+    if by is not None:
+        return None
+    if seen.worker:  # prefetched: a worker busy with others holds it in its memory
+        return None if streamlog.beating(seen.beats, seen.worker, model, now) else Verdict.ORPHANED
+    return None if model in streamlog.served_models(seen.beats) else Verdict.UNSERVED
+
+
+# Apply the transition a verdict decided, if the state is still the one it was decided on:
+# "claimed" makes the request this worker's; any other verdict makes its asker its ender.
+APPLY = """
+local state = redis.call('GET', KEYS[1]) or ''
+if state ~= ARGV[1] then
   -- this very claim, tried again after its reply was lost
-  if redis.call('HGET', KEYS[3], 'claim') == ARGV[5] then return 'claimed' end
-  local beat = redis.call('HGET', KEYS[5], string.sub(state, 9) .. ':' .. ARGV[4])
-  if beat and cjson.decode(beat)['until'] >= tonumber(ARGV[2]) then return 'running' end
-  redis.call('SET', KEYS[1], 'ending', 'KEEPTTL')
-  redis.call('HSET', KEYS[3], 'ending_at', ARGV[2])
-  return 'orphaned'
+  if ARGV[2] == 'claimed' and redis.call('HGET', KEYS[2], 'claim') == ARGV[5] then return 1 end
+  return 0
 end
-local verdict = 'claimed'
-local deadline = redis.call('HGET', KEYS[3], 'deadline')
-if redis.call('EXISTS', KEYS[2]) == 1 then verdict = 'cancelled'
-elseif deadline and tonumber(ARGV[2]) > tonumber(deadline) then verdict = 'expired' end
-if verdict ~= 'claimed' or ARGV[6] ~= 'keep' then redis.call('ZREM', KEYS[4], ARGV[3]) end
-if verdict ~= 'claimed' then
-  redis.call('SET', KEYS[1], 'ending', 'KEEPTTL')
-  redis.call('HSET', KEYS[3], 'ending_at', ARGV[2])
-  return verdict
+if ARGV[2] == 'claimed' then
+  redis.call('SET', KEYS[1], 'running ' .. ARGV[3], 'KEEPTTL')
+  redis.call('HSET', KEYS[2], 'worker', ARGV[3], 'claim', ARGV[5], 'ran', '1')
+  if ARGV[6] ~= 'keep' then redis.call('ZREM', KEYS[3], ARGV[7]) end
+  return 1
 end
-redis.call('SET', KEYS[1], 'running ' .. ARGV[1], 'KEEPTTL')
-redis.call('HSET', KEYS[3], 'worker', ARGV[1], 'claim', ARGV[5], 'ran', '1')
-return verdict
+if state == '' then
+  redis.call('SET', KEYS[1], 'ending', 'EX', ARGV[8])
+else
+  redis.call('SET', KEYS[1], 'ending', 'KEEPTTL')
+  redis.call('HSET', KEYS[2], 'ending_at', ARGV[4])
+end
+return 1
 """
 
 RESERVE = """
 if redis.call('GET', KEYS[1]) == 'queued' then redis.call('HSET', KEYS[2], 'worker', ARGV[1]) end
-"""
-
-TAKE_OVER = """
-local state = redis.call('GET', KEYS[1])
-if ARGV[1] == '' then
-  if state then return 0 end
-  redis.call('SET', KEYS[1], 'ending', 'EX', ARGV[2])
-  return 1
-end
-if state ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], 'ending', 'KEEPTTL')
-redis.call('HSET', KEYS[2], 'ending_at', ARGV[3])
-return 1
 """
 
 FINISH = """
@@ -95,14 +159,46 @@ def state_key(request_id):
     return streamlog.key(request_id, "state")
 
 
+def apply(client, request_id, observed, decided, worker_id="", token="", model="", keep=False):
+    """Make the transition `decided` (a verdict, or "claimed") if the state is still `observed`
+    (None: missing); 1 if it was made. Works with the sync or the asyncio client."""
+    keys = [state_key(request_id), streamlog.key(request_id, "meta"), streamlog.queue_key(model)]
+    args = [observed or "", decided, worker_id, time.time(), token, "keep" if keep else "", request_id, settings.TOKSTREAM_LOG_TTL]
+    return client.eval(APPLY, len(keys), *keys, *args)
+
+
+def read(client, request_id):
+    with client.pipeline(transaction=False) as pipe:
+        Seen.read(pipe, request_id)
+        return Seen.of(pipe.execute())
+
+
 def claim(client, request_id, model, worker_id, keep_queued=False):
-    """'claimed' (run it), 'running' (a live worker has it: a duplicate), 'ended', or why it
-    must end unrun: 'cancelled', 'expired', 'lost', 'orphaned' (its worker died). The token
-    tells this claim, tried again, from a second delivery. A request that `keep_queued` stays
-    in its model's queue (a relayed one, until its upstream has a slot for it)."""
-    keys = [state_key(request_id), streamlog.key(request_id, "cancel"), streamlog.key(request_id, "meta"), streamlog.queue_key(model), streamlog.workers_key()]
-    token, keep = uuid.uuid4().hex, "keep" if keep_queued else ""
-    return retrying(lambda: client.eval(CLAIM, len(keys), *keys, worker_id, time.time(), request_id, model, token, keep))
+    """'claimed' (run it), 'running' (a live worker has it: a duplicate), 'ended', or the
+    verdict it must end unrun with (its asker is now its ender). The token tells this claim,
+    tried again, from a second delivery. A request that `keep_queued` stays in its model's
+    queue (a relayed one, until its upstream has a slot for it)."""
+    token = uuid.uuid4().hex
+    while (answer := retrying(lambda: claim_once(client, request_id, model, worker_id, token, keep_queued))) is None:
+        pass  # its state changed between the read and the transition: decide again
+    return answer
+
+
+def claim_once(client, request_id, model, worker_id, token, keep_queued):
+    seen = read(client, request_id)
+    if seen.claim == token:
+        return "claimed"
+    if holder(seen.state) == worker_id:
+        return "running"  # delivered again to the worker that runs it
+    found = verdict(seen, model, time.time(), by=worker_id)
+    if found in (Verdict.ENDED, Verdict.ENDING):
+        return "ended"
+    if found is None and seen.state != QUEUED:
+        return "running"
+    decided = "claimed" if found is None else found
+    if found == Verdict.LOST or apply(client, request_id, seen.state, decided, worker_id, token, model, keep_queued):
+        return decided
+    return None
 
 
 def reserve(client, request_id, worker_id):
@@ -110,26 +206,15 @@ def reserve(client, request_id, worker_id):
     client.eval(RESERVE, 2, state_key(request_id), streamlog.key(request_id, "meta"), worker_id)
 
 
-def take_over(client, request_id, observed):
+def take_over(client, request_id, observed, decided=Verdict.ORPHANED):
     """Become the one who ends the request, if its state is still `observed` (None: missing).
     Works with the sync or the asyncio client."""
-    return client.eval(TAKE_OVER, 2, state_key(request_id), streamlog.key(request_id, "meta"), observed or "", settings.TOKSTREAM_LOG_TTL, time.time())
+    return apply(client, request_id, observed, decided)
 
 
 def holder(state):
     """The worker a "running" state names, else None."""
     return state[len(RUNNING) :] if state and state.startswith(RUNNING) else None
-
-
-def overdue(state, deadline):
-    """Still queued past its deadline: in the broker, or prefetched by a worker busy with others
-    (whose beat says nothing of when it will take the request)."""
-    return not holder(state) and bool(deadline) and time.time() > float(deadline)
-
-
-def watcher(state, worker):
-    """The worker whose beat a request needs: the one that claimed it, else the one that prefetched it."""
-    return holder(state) or worker
 
 
 @dataclass(frozen=True)
@@ -205,14 +290,16 @@ def unrun(verdict, completion_tokens=0, prompt_tokens=0):
 
 
 def end(client, facts, outcome, finish_reasons=None, gaps=(), **ledger_fields):
-    """End the request once: its ledger entry (with the hold back), then its end entry. A
+    """End the request once: its ledger entry (with the hold back), then its end entry. What
+    follows a ledger row (the metrics, request_finished) follows only the ender that wrote it. A
     cancelled request's entry says who cancelled it."""
     reasons = finish_reasons or [outcome.finish_reason] * facts.n
     if outcome.finish_reason == FinishReason.CANCELLED and not outcome.error:
         ledger_fields.setdefault("error", cancelled_by(client, facts.request_id))
     wrote = write_ledger(facts, outcome, **ledger_fields)
-    if publish_end(client, facts.request_id, end_entry(reasons, outcome)) or wrote:
-        after_end(client, facts, outcome, gaps)  # the first ender only
+    publish_end(client, facts.request_id, end_entry(reasons, outcome))
+    if wrote:
+        after_end(client, facts, outcome, gaps)
 
 
 def write_ledger(facts, outcome, **fields):
@@ -331,7 +418,8 @@ def end_as_logged(client, facts):
         return end_abandoned(client, facts, "orphaned")
     usage = end.usage
     outcome = Outcome(worst(end.finish_reasons), usage["prompt_tokens"], usage["completion_tokens"], error=end.error or "")
-    write_ledger(facts, outcome, usage_source="stream_log")
+    if write_ledger(facts, outcome, usage_source="stream_log"):
+        after_end(client, facts, outcome, ())
 
 
 # The ledger has one status per request: with n > 1, the worst of its choices' endings.
@@ -370,37 +458,39 @@ SWEEP_AFTER = 30  # a pending row this old has its state in Redis, unless Redis 
 
 def sweep(client, limit=500):
     """End what nobody else will: requests whose state Redis lost (a restart, with the broker's
-    queue), whose worker died with nobody reading, or whose deadline passed."""
+    queue), whose worker died with nobody reading, whose deadline passed, or whose ledger row
+    failed after their end entry. A queued request of a model no worker serves is left to its
+    readers and its deadline: the worker may be restarting (it does not beat while it loads)."""
     cutoff = timezone.now() - timedelta(seconds=SWEEP_AFTER)
     rows = list(PendingRequest.objects.filter(keyspace=streamlog.keyspace(), created_at__lt=cutoff).order_by("id")[:limit])
     if not rows:
         return 0
     with client.pipeline(transaction=False) as pipe:
         for row in rows:
-            pipe.get(state_key(row.request_id)).hmget(streamlog.key(row.request_id, "meta"), "worker", "deadline", "ending_at")
+            Seen.read(pipe, row.request_id)
         replies = pipe.execute()
-    beats = streamlog.workers(client)
     ended = 0
-    for row, state, meta in zip(rows, replies[::2], replies[1::2]):
-        verdict = stale(row.model, state, *meta, beats)
-        if verdict == ENDED:
+    for index, row in enumerate(rows):
+        seen = Seen.of(replies[4 * index : 4 * index + 4])
+        found = verdict(seen, row.model, time.time())
+        if found == Verdict.ENDED:
             end_as_logged(client, Facts.of_pending(row))
-        elif verdict and (state == ENDING or take_over(client, row.request_id, state)):
-            end_abandoned(client, Facts.of_pending(row), verdict)
-        ended += bool(verdict)
+        elif found in (Verdict.ENDING, Verdict.UNSERVED, None):
+            continue
+        elif seen.state == ENDING or take_over(client, row.request_id, seen.state, found):
+            end_abandoned(client, Facts.of_pending(row), found)
+        ended += 1
     return ended
 
 
-def stale(model, state, worker, deadline, ending_at, beats):
-    """Why a pending request will not end by itself, or None while it may."""
-    if state is None:
-        return "lost"
-    if state == ENDED:
-        return ENDED  # its ledger row failed to be written: write it from its end entry
-    if state == ENDING:  # its ender stopped before the ledger had it: end it again
-        return "orphaned" if time.time() - float(ending_at or 0) > SWEEP_AFTER else None
-    if overdue(state, deadline):
-        return "expired"
-    if watched_by := watcher(state, worker):
-        return None if streamlog.beating(beats, watched_by, model) else "orphaned"
-    return None
+def end_if_over(client, request_id, model):
+    """End the request here if it is over and nobody else is ending it (the cancel endpoint:
+    a request stopped while it queued ends at once, not when a worker reaches it)."""
+    seen = read(client, request_id)
+    found = verdict(seen, model, time.time())
+    if found in (Verdict.CANCELLED, Verdict.EXPIRED, Verdict.ORPHANED) and take_over(client, request_id, seen.state, found):
+        facts = facts_of(client, request_id)
+        if facts is not None:
+            end_abandoned(client, facts, found)
+        return True
+    return False

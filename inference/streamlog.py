@@ -255,9 +255,9 @@ def workers(client):
     return client.hgetall(workers_key())
 
 
-def beating(beats, worker_id, model):
+def beating(beats, worker_id, model, now=None):
     beat = beats.get(f"{worker_id}:{model}")
-    return beat is not None and json.loads(beat)["until"] >= time.time()
+    return beat is not None and json.loads(beat)["until"] >= (now or time.time())
 
 
 def live_beats(beats):

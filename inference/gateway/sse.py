@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 from urllib.parse import parse_qs
 
 from asgiref.sync import sync_to_async
@@ -149,35 +150,28 @@ class StreamLost(Exception):
 
 async def idle_check(client, admitted, unserved):
     """(idle intervals in a row with no live worker for the model, and "ended" if the request
-    is over). A claimed request needs its worker beating; a queued one, its deadline not
-    passed (prefetched by a worker or not: a worker busy with others may hold it long past
-    it), its prefetching worker if one took it, and a live worker for its model two idle
-    intervals in a row (one could be a worker restarting)."""
+    is over): `lifecycle.verdict` decides, and the reader ends what nobody else will. No live
+    worker must be seen two idle intervals in a row (one could be a worker restarting)."""
     request_id = admitted.request_id
     async with client.pipeline(transaction=False) as pipe:
-        pipe.get(lifecycle.state_key(request_id)).hmget(streamlog.key(request_id, "meta"), "worker", "deadline")
-        pipe.hgetall(streamlog.workers_key())
-        state, (worker, deadline), beats = await pipe.execute()
-    if state is None:
-        raise StreamLost(lifecycle.MESSAGES["lost"])
-    if state in (lifecycle.ENDED, lifecycle.ENDING):
-        return 0, state  # ending: whoever ends it writes the end entry next
-    if lifecycle.overdue(state, deadline):
-        await reap_unless(False, client, request_id, state, "expired")
-        return 0, None
-    if watched_by := lifecycle.watcher(state, worker):
-        await reap_unless(streamlog.beating(beats, watched_by, admitted.model), client, request_id, state, "orphaned")
-        return 0, None
-    unserved = 0 if admitted.model in streamlog.served_models(beats) else unserved + 1
-    await reap_unless(unserved < 2, client, request_id, state, "unserved")
+        lifecycle.Seen.read(pipe, request_id)
+        seen = lifecycle.Seen.of(await pipe.execute())
+    found = lifecycle.verdict(seen, admitted.model, time.time())
+    if found == lifecycle.Verdict.LOST:
+        raise StreamLost(lifecycle.MESSAGES[found])
+    if found in (lifecycle.Verdict.ENDED, lifecycle.Verdict.ENDING):
+        return 0, lifecycle.ENDED  # whoever ends it wrote, or writes next, the end entry
+    unserved = unserved + 1 if found == lifecycle.Verdict.UNSERVED else 0
+    if found is not None and (found != lifecycle.Verdict.UNSERVED or unserved >= 2):
+        await reap(client, request_id, seen.state, found)
     return unserved, None
 
 
-async def reap_unless(fine, client, request_id, state, verdict):
-    """End the request here, unless it is fine or someone else (its worker) moved first."""
-    if not fine and await lifecycle.take_over(client, request_id, state):
-        log.warning("request %s ended by its reader: %s", request_id, verdict)
-        await sync_to_async(lifecycle.end_from_reader, thread_sensitive=False)(request_id, verdict)
+async def reap(client, request_id, state, found):
+    """End the request here, unless someone else (its worker) moved first."""
+    if state == lifecycle.ENDING or await lifecycle.take_over(client, request_id, state, found):
+        log.warning("request %s ended by its reader: %s", request_id, found)
+        await sync_to_async(lifecycle.end_from_reader, thread_sensitive=False)(request_id, found)
 
 
 async def coalesced(client, request_id, batch):

@@ -11,7 +11,7 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from inference import backends, metrics, registry, streamlog
+from inference import backends, lifecycle, metrics, registry, streamlog
 from inference.gateway import prompt_count
 from inference.gateway.admission import owned_meta
 from inference.gateway.auth import required_owner
@@ -128,11 +128,14 @@ def api_steer(request, owner, request_id):
 def cancel(owner, request_id):
     """Idempotent: cancelling a finished request says so and changes nothing."""
     client = streamlog.sync_client()
-    owned_meta(streamlog.load_meta(client, request_id), owner, request_id)
-    ended = streamlog.has_ended(client, request_id)
-    if not ended:
+    meta = owned_meta(streamlog.load_meta(client, request_id), owner, request_id)
+    if streamlog.has_ended(client, request_id):
+        status = "finished"
+    else:
         streamlog.cancel(client, request_id)
-    return JsonResponse({"id": request_id, "object": "chat.completion.cancellation", "status": "finished" if ended else "cancelling"})
+        # Not yet taken by a worker: ended here and now, rather than when one reaches it.
+        status = "cancelled" if lifecycle.end_if_over(client, request_id, meta["model"]) else "cancelling"
+    return JsonResponse({"id": request_id, "object": "chat.completion.cancellation", "status": status})
 
 
 def steer(owner, request_id, text):

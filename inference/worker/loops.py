@@ -16,7 +16,7 @@ import uuid
 
 from django.conf import settings
 
-from inference import backends, metrics, registry, streamlog
+from inference import backends, lifecycle, metrics, registry, streamlog
 from inference.worker.engine import Engine, Request, SamplingParams, loader
 from inference.worker.engine.llama import LlamaRunner, drop_model_matrices
 
@@ -185,7 +185,7 @@ class EngineLoop(threading.Thread):
             claimed = list(self.claimed)
         cancelled, steering, states = streamlog.signals_among(self.redis, live)
         for request_id in claimed:
-            if states.get(request_id) != f"running {self.worker_id}":
+            if lifecycle.holder(states.get(request_id)) != self.worker_id:
                 # Ended by a reader that thought this worker dead, or lost with Redis: nobody
                 # reads on, and another ending is already written or on its way. Told first
                 # (the first reason given stands): a client told of the loss leaves, and its

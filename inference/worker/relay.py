@@ -40,7 +40,7 @@ class Relay:
         self.stop_reason = upstream.UNSAID  # vLLM's: the stop string that ended the reply, if one did
         self.limit = None  # our completion budget, where the upstream was given none
 
-    def run(self, client, body, deadline, max_tokens):
+    def run(self, client, body, worker_id, max_tokens):
         """Wait for a slot at the upstream, then relay its answer; never sent when the client
         left or the deadline passed while it waited. A client that set no `max_tokens` gets
         ours (TOKSTREAM_DEFAULT_MAX_TOKENS, which its budget hold assumed): the upstream is not
@@ -48,7 +48,7 @@ class Relay:
         self.stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
         self.limit = None if {"max_tokens", "max_completion_tokens"} & set(body) else max_tokens
         slot = slots.Slot(client, self.backend.slots, self.request_id, self.backend.max_concurrent, time.time())
-        if not slot.wait(lambda: self.unwanted(client, deadline)):
+        if not slot.wait(lambda: self.unwanted(client, worker_id)):
             return
         try:
             self.started_at = time.time()
@@ -58,14 +58,15 @@ class Relay:
         finally:
             release(slot)
 
-    def unwanted(self, client, deadline):
-        if client.exists(streamlog.key(self.request_id, "cancel")):
-            self.finish_reason = FinishReason.CANCELLED  # cancelled while it queued: never sent
-            return True
-        if time.time() > deadline:
-            self.fail(lifecycle.MESSAGES["expired"], code=lifecycle.CODES["expired"])
-            return True
-        return False
+    def unwanted(self, client, worker_id):
+        """Over before it was sent, as `lifecycle.verdict` says: its client left, the deadline
+        admission stored passed, or someone else ended it."""
+        found = lifecycle.verdict(lifecycle.read(client, self.request_id), self.model, time.time(), by=worker_id)
+        if found in lifecycle.MESSAGES:
+            self.fail(lifecycle.MESSAGES[found], code=lifecycle.CODES[found])
+        elif found is not None:
+            self.finish_reason = FinishReason.CANCELLED  # never sent: billed nothing
+        return found is not None
 
     def send(self, client, body, watch):
         url = self.backend.entry["base_url"].rstrip("/") + "/chat/completions"

@@ -13,7 +13,6 @@ import time
 from celery import shared_task
 from celery.signals import task_received, worker_ready, worker_shutdown, worker_shutting_down
 from celery.worker import state as worker_state
-from django.conf import settings
 
 from inference import lifecycle, registry, streamlog, upstream
 from inference.protocol.entries import Delta, FinishReason, Line, Steer, ToolArgs, ToolStart
@@ -42,7 +41,7 @@ def generate(**fields):
         # Its client left, its deadline passed, Redis lost it, or its worker died: never run.
         return lifecycle.end_abandoned(client, facts, verdict)
     if relayed:
-        return relay_upstream(client, facts, task.upstream_body, task.max_tokens)
+        return relay_upstream(client, facts, task.upstream_body, loop.worker_id, task.max_tokens)
     run_locally(client, loop, facts, task.prompt_ids, task.params, task.tools)
 
 
@@ -63,12 +62,12 @@ def run_locally(client, loop, facts, prompt_ids, params, tools):
         lifecycle.end(client, facts, outcome, finish_reasons, gaps, **fields)
 
 
-def relay_upstream(client, facts, body, max_tokens):
+def relay_upstream(client, facts, body, worker_id, max_tokens):
     """A request for an upstream model: its stream relayed into the log, billed as the
     upstream's usage says (our count beside it), or by our count as an estimate."""
     relay = Relay(facts.model, facts.request_id)
     try:
-        relay.run(client, body, facts.received_at + settings.TOKSTREAM_QUEUE_TIMEOUT, max_tokens)
+        relay.run(client, body, worker_id, max_tokens)
     except Exception as exc:
         log.exception("request %s failed", facts.request_id)
         relay.fail(f"the relay failed: {exc}")
