@@ -1,6 +1,8 @@
 """Writing the ledger: once per request id, whatever the outcome, priced and chained."""
 
+import dataclasses
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from django.db import IntegrityError, connection, transaction
@@ -20,6 +22,28 @@ STATUS_OF_REASON = {
     FinishReason.ERROR: UsageEntry.Status.FAILED,
 }
 CHAIN_LOCK = 0x70CE5  # the PostgreSQL advisory lock that orders the chain's writers
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where an entry's counts came from, and what the ender knows beside them: the model and
+    tokenizer that served it, the parts of the prompt, and for a relayed request the vendor's
+    report next to our own count."""
+
+    usage_source: str = UsageEntry._meta.get_field("usage_source").default
+    model_served: str = ""
+    tokenizer: str = ""
+    cached_prompt_tokens: int = 0
+    steering_tokens: int = 0
+    vendor_request_id: str = ""
+    counted_prompt_tokens: int | None = None
+    counted_completion_tokens: int | None = None
+    vendor_prompt_tokens: int | None = None
+    vendor_cached_prompt_tokens: int | None = None
+    vendor_completion_tokens: int | None = None
+
+    def fields(self):
+        return dataclasses.asdict(self)
 
 
 def as_datetime(timestamp):

@@ -86,7 +86,7 @@ class LocalBackend:
         """A sequence never holds more than the worker's whole KV cache, whatever the model
         allows; beams must all fit at once."""
         cache_tokens = registry.kv_cache_tokens(self.name) // KV_BLOCK_SIZE * KV_BLOCK_SIZE  # as the pool rounds
-        return min(registry.context_length(self.name), cache_tokens // chat.sampling["beam_width"])
+        return min(registry.context_length(self.name), cache_tokens // chat.sampling.beam_width)
 
     def tokenizer_id(self):
         return registry.tokenizer_identity(self.name)
@@ -125,7 +125,7 @@ class UpstreamBackend(LocalBackend):
 
     def check(self, chat):
         for name, default in NOT_RELAYED.items():
-            value = chat.n if name == "n" else chat.sampling.get(name, default)
+            value = chat.n if name == "n" else getattr(chat.sampling, name, default)
             if value != default:
                 raise invalid(f"`{name}` is not supported for the upstream model `{chat.model}`.", param=name)
         upstream.refuse_unforwarded(chat.sent)

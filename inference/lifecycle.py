@@ -15,12 +15,14 @@ two askers never both take a request. Whoever ends it goes through `end`, and a 
 finds the ledger row and the "ended" state and adds nothing.
 """
 
+import dataclasses
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
+from string import Template
 
 from django.conf import settings
 from django.db import close_old_connections, transaction
@@ -29,11 +31,18 @@ from django.utils import timezone
 from billing import budgets, ledger
 from inference import metrics, streamlog
 from inference.models import PendingRequest
-from inference.protocol.entries import Delta, End, FinishReason, encode, usage_of
+from inference.protocol.entries import Delta, End, FinishReason, Refusal, Usage, encode
+from inference.protocol.payloads import META_FIELDS, RequestMeta, State, holder
 from inference.signals import request_finished
 
 log = logging.getLogger(__name__)
-ENDING, ENDED, RUNNING, QUEUED = "ending", "ended", "running ", "queued"
+
+
+class Claim(StrEnum):
+    """What `claim` found, besides a verdict to end the request with."""
+
+    CLAIMED = "claimed"  # this worker runs it
+    RUNNING = "running"  # a live worker runs it already: this is a second delivery
 
 
 class Verdict(StrEnum):
@@ -61,34 +70,24 @@ ENDER_GRACE = 30  # seconds an ender may take between taking a request over and 
 
 @dataclass(frozen=True)
 class Seen:
-    """One read of what decides whether a request is over: its state, what admission and the
-    workers wrote in its metadata, its cancel flag and the workers' beats."""
+    """One read of what decides whether a request is over: its state, its metadata (what
+    admission and the workers wrote), its cancel flag and the workers' beats."""
 
     state: str | None
-    worker: str | None = None  # the worker that prefetched it, while queued
-    deadline: float | None = None  # stored at admission
-    ending_at: float | None = None
-    claim: str | None = None  # the token of the claim that took it
+    meta: RequestMeta | None = None
     cancelled: bool = False
     beats: dict = field(default_factory=dict)
 
-    FIELDS = ("worker", "deadline", "ending_at", "claim")
-
-    @classmethod
-    def read(cls, pipe, request_id):
-        """Queue the reads on a pipeline (sync or asyncio) and return how to make a Seen of its
-        replies: `Seen.of(replies)`."""
-        pipe.get(state_key(request_id)).hmget(streamlog.key(request_id, "meta"), *cls.FIELDS)
+    @staticmethod
+    def read(pipe, request_id):
+        """Queue the reads on a pipeline (sync or asyncio); `Seen.of` makes one of their replies."""
+        pipe.get(state_key(request_id)).hgetall(streamlog.key(request_id, "meta"))
         pipe.exists(streamlog.key(request_id, "cancel")).hgetall(streamlog.workers_key())
 
     @classmethod
     def of(cls, replies):
-        state, (worker, deadline, ending_at, claim), cancelled, beats = replies
-        return cls(state, worker or None, number(deadline), number(ending_at), claim, bool(cancelled), beats)
-
-
-def number(text):
-    return float(text) if text else None
+        state, meta, cancelled, beats = replies
+        return cls(state, RequestMeta.from_redis(meta), bool(cancelled), streamlog.beats_of(beats))
 
 
 def verdict(seen, model, now, by=None):
@@ -96,63 +95,68 @@ def verdict(seen, model, now, by=None):
     sweeper, the relay and the claim apply. `by` is the worker asking of a request it is taking
     or holds without having started it (a claim, a relay waiting for an upstream slot): its own
     claim is no reason to stop, its client leaving and the deadline are."""
-    state = seen.state
+    state, meta = seen.state, seen.meta
     if state is None:
         return Verdict.LOST
-    if state == ENDED:
+    if state == State.ENDED:
         return Verdict.ENDED
-    if state == ENDING:  # its ender stopped before writing the end: end it again
-        return Verdict.ORPHANED if now - (seen.ending_at or 0) > ENDER_GRACE else Verdict.ENDING
+    if state == State.ENDING:  # its ender stopped before writing the end: end it again
+        return Verdict.ORPHANED if now - ((meta and meta.ending_at) or 0) > ENDER_GRACE else Verdict.ENDING
     held = holder(state)
     if held and held != by:
         return None if streamlog.beating(seen.beats, held, model, now) else Verdict.ORPHANED
     if seen.cancelled:
         return Verdict.CANCELLED
-    if seen.deadline and now > seen.deadline:
+    if meta and now > meta.deadline:
         return Verdict.EXPIRED
     if by is not None:
         return None
-    if seen.worker:  # prefetched: a worker busy with others holds it in its memory
-        return None if streamlog.beating(seen.beats, seen.worker, model, now) else Verdict.ORPHANED
+    if meta and meta.worker:  # prefetched: a worker busy with others holds it in its memory
+        return None if streamlog.beating(seen.beats, meta.worker, model, now) else Verdict.ORPHANED
     return None if model in streamlog.served_models(seen.beats) else Verdict.UNSERVED
+
+
+def lua(script):
+    """A script with the metadata's field names and the states filled in, from their one list."""
+    return Template(script).substitute({name: name for name in META_FIELDS}, **{state.name: state.value for state in State})
 
 
 # Apply the transition a verdict decided, if the state is still the one it was decided on:
 # "claimed" makes the request this worker's; any other verdict makes its asker its ender.
-APPLY = """
+APPLY = lua("""
 local state = redis.call('GET', KEYS[1]) or ''
 if state ~= ARGV[1] then
   -- this very claim, tried again after its reply was lost
-  if ARGV[2] == 'claimed' and redis.call('HGET', KEYS[2], 'claim') == ARGV[5] then return 1 end
+  if ARGV[2] == 'claimed' and redis.call('HGET', KEYS[2], '$claim') == ARGV[5] then return 1 end
   return 0
 end
 if ARGV[2] == 'claimed' then
-  redis.call('SET', KEYS[1], 'running ' .. ARGV[3], 'KEEPTTL')
-  redis.call('HSET', KEYS[2], 'worker', ARGV[3], 'claim', ARGV[5], 'ran', '1')
+  redis.call('SET', KEYS[1], '$RUNNING ' .. ARGV[3], 'KEEPTTL')
+  redis.call('HSET', KEYS[2], '$worker', ARGV[3], '$claim', ARGV[5], '$ran', '1')
   if ARGV[6] ~= 'keep' then redis.call('ZREM', KEYS[3], ARGV[7]) end
   return 1
 end
 if state == '' then
-  redis.call('SET', KEYS[1], 'ending', 'EX', ARGV[8])
+  redis.call('SET', KEYS[1], '$ENDING', 'EX', ARGV[8])
 else
-  redis.call('SET', KEYS[1], 'ending', 'KEEPTTL')
-  redis.call('HSET', KEYS[2], 'ending_at', ARGV[4])
+  redis.call('SET', KEYS[1], '$ENDING', 'KEEPTTL')
+  redis.call('HSET', KEYS[2], '$ending_at', ARGV[4])
 end
 return 1
-"""
+""")
 
-RESERVE = """
-if redis.call('GET', KEYS[1]) == 'queued' then redis.call('HSET', KEYS[2], 'worker', ARGV[1]) end
-"""
+RESERVE = lua("""
+if redis.call('GET', KEYS[1]) == '$QUEUED' then redis.call('HSET', KEYS[2], '$worker', ARGV[1]) end
+""")
 
-FINISH = """
-if redis.call('GET', KEYS[2]) == 'ended' then return 0 end
+FINISH = lua("""
+if redis.call('GET', KEYS[2]) == '$ENDED' then return 0 end
 redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'e', ARGV[1])
-redis.call('SET', KEYS[2], 'ended', 'EX', ARGV[3])
+redis.call('SET', KEYS[2], '$ENDED', 'EX', ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
 return 1
-"""
+""")
 
 
 def state_key(request_id):
@@ -186,16 +190,16 @@ def claim(client, request_id, model, worker_id, keep_queued=False):
 
 def claim_once(client, request_id, model, worker_id, token, keep_queued):
     seen = read(client, request_id)
-    if seen.claim == token:
-        return "claimed"
+    if seen.meta is not None and seen.meta.claim == token:
+        return Claim.CLAIMED
     if holder(seen.state) == worker_id:
-        return "running"  # delivered again to the worker that runs it
+        return Claim.RUNNING  # delivered again to the worker that runs it
     found = verdict(seen, model, time.time(), by=worker_id)
     if found in (Verdict.ENDED, Verdict.ENDING):
-        return "ended"
-    if found is None and seen.state != QUEUED:
-        return "running"
-    decided = "claimed" if found is None else found
+        return Verdict.ENDED
+    if found is None and seen.state != State.QUEUED:
+        return Claim.RUNNING
+    decided = Claim.CLAIMED if found is None else found
     if found == Verdict.LOST or apply(client, request_id, seen.state, decided, worker_id, token, model, keep_queued):
         return decided
     return None
@@ -210,11 +214,6 @@ def take_over(client, request_id, observed, decided=Verdict.ORPHANED):
     """Become the one who ends the request, if its state is still `observed` (None: missing).
     Works with the sync or the asyncio client."""
     return apply(client, request_id, observed, decided)
-
-
-def holder(state):
-    """The worker a "running" state names, else None."""
-    return state[len(RUNNING) :] if state and state.startswith(RUNNING) else None
 
 
 @dataclass(frozen=True)
@@ -239,18 +238,7 @@ class Facts:
 
     @classmethod
     def of_meta(cls, request_id, meta):
-        def number(name):
-            return int(meta[name]) if meta.get(name) else None
-
-        return cls(
-            request_id,
-            meta["model"],
-            number("api_key_id"),
-            number("user_id"),
-            float(meta.get("received_at") or time.time()),
-            int(meta["prompt_tokens"]),
-            int(meta.get("n", 1)),
-        )
+        return cls(request_id, meta.model, meta.api_key_id, meta.user_id, meta.received_at, meta.prompt_tokens, meta.n)
 
 
 @dataclass
@@ -265,7 +253,7 @@ class Outcome:
     first_token_at: float | None = None
     finished_at: float | None = None
     code: str | None = None
-    refusal: dict | None = None  # an upstream's refusal, as its client is told it (entries.End)
+    refusal: Refusal | None = None  # an upstream's refusal, as its client is told it
 
     def ledger_fields(self, received_at):
         return {
@@ -279,7 +267,7 @@ class Outcome:
         }
 
     def usage(self):
-        return usage_of(self.prompt_tokens, self.completion_tokens)
+        return Usage(self.prompt_tokens, self.completion_tokens)
 
 
 def unrun(verdict, completion_tokens=0, prompt_tokens=0):
@@ -289,22 +277,22 @@ def unrun(verdict, completion_tokens=0, prompt_tokens=0):
     return Outcome(FinishReason.ERROR, prompt_tokens, completion_tokens, error=MESSAGES[verdict], code=CODES[verdict])
 
 
-def end(client, facts, outcome, finish_reasons=None, gaps=(), **ledger_fields):
+def end(client, facts, outcome, finish_reasons=None, gaps=(), provenance=None):
     """End the request once: its ledger entry (with the hold back), then its end entry. What
     follows a ledger row (the metrics, request_finished) follows only the ender that wrote it. A
-    cancelled request's entry says who cancelled it."""
+    cancelled request's entry says who cancelled it (its client is told no error)."""
     reasons = finish_reasons or [outcome.finish_reason] * facts.n
-    if outcome.finish_reason == FinishReason.CANCELLED and not outcome.error:
-        ledger_fields.setdefault("error", cancelled_by(client, facts.request_id))
-    wrote = write_ledger(facts, outcome, **ledger_fields)
+    why = outcome.error
+    if outcome.finish_reason == FinishReason.CANCELLED and not why:
+        why = cancelled_by(client, facts.request_id)
+    wrote = write_ledger(facts, dataclasses.replace(outcome, error=why), provenance or ledger.Provenance())
     publish_end(client, facts.request_id, end_entry(reasons, outcome))
     if wrote:
         after_end(client, facts, outcome, gaps)
 
 
-def write_ledger(facts, outcome, **fields):
-    owner = {"api_key_id": facts.api_key_id, "user_id": facts.user_id}
-    fields = {"model": facts.model, **owner, **outcome.ledger_fields(facts.received_at), **fields}
+def write_ledger(facts, outcome, provenance):
+    fields = {"model": facts.model, "api_key_id": facts.api_key_id, "user_id": facts.user_id, **outcome.ledger_fields(facts.received_at), **provenance.fields()}
     try:
         with transaction.atomic():
             pending = PendingRequest.objects.select_for_update().filter(request_id=facts.request_id).first()
@@ -403,11 +391,12 @@ def end_abandoned(client, facts, verdict):
     """End a request that will not run (more) here: billed from its log, the prompt once a
     worker had claimed it (it was being read). Should that worker be alive after all, the
     cancel flag stops it (a relay checks it; an engine checks its claim too)."""
-    ran = client.hget(streamlog.key(facts.request_id, "meta"), "ran") == "1"
+    meta = streamlog.load_meta(client, facts.request_id)
+    ran = meta is not None and meta.ran
     outcome = unrun(verdict, usage_in_log(client, facts.request_id), facts.prompt_tokens if ran else 0)
     if ran:
         streamlog.cancel(client, facts.request_id, "ended_elsewhere")
-    end(client, facts, outcome, usage_source="stream_log" if ran else "engine_ids")
+    end(client, facts, outcome, provenance=ledger.Provenance(usage_source="stream_log" if ran else "engine_ids"))
 
 
 def end_as_logged(client, facts):
@@ -416,9 +405,8 @@ def end_as_logged(client, facts):
     end = streamlog.end_of(client, facts.request_id)  # the newest entry only, not the whole log
     if end is None:
         return end_abandoned(client, facts, "orphaned")
-    usage = end.usage
-    outcome = Outcome(worst(end.finish_reasons), usage["prompt_tokens"], usage["completion_tokens"], error=end.error or "")
-    if write_ledger(facts, outcome, usage_source="stream_log"):
+    outcome = Outcome(worst(end.finish_reasons), end.usage.prompt_tokens, end.usage.completion_tokens, error=end.error or "")
+    if write_ledger(facts, outcome, ledger.Provenance(usage_source="stream_log")):
         after_end(client, facts, outcome, ())
 
 
@@ -477,7 +465,7 @@ def sweep(client, limit=500):
             end_as_logged(client, Facts.of_pending(row))
         elif found in (Verdict.ENDING, Verdict.UNSERVED, None):
             continue
-        elif seen.state == ENDING or take_over(client, row.request_id, seen.state, found):
+        elif seen.state == State.ENDING or take_over(client, row.request_id, seen.state, found):
             end_abandoned(client, Facts.of_pending(row), found)
         ended += 1
     return ended

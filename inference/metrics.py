@@ -123,8 +123,8 @@ def engine_load(beats):
     """Model -> (running, waiting), summed over the live workers' heartbeats."""
     load = {}
     for beat in streamlog.live_beats(beats):
-        running, waiting = load.get(beat["model"], (0, 0))
-        load[beat["model"]] = (running + beat.get("running", 0), waiting + beat.get("waiting", 0))
+        running, waiting = load.get(beat.model, (0, 0))
+        load[beat.model] = (running + beat.running, waiting + beat.waiting)
     return load
 
 

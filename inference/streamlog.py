@@ -7,9 +7,9 @@ metadata expires with it).
 """
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
-import json
 import re
 import time
 import weakref
@@ -22,6 +22,7 @@ from django.conf import settings
 from redis.backoff import ExponentialWithJitterBackoff
 
 from inference.protocol.entries import End, decode, encode
+from inference.protocol.payloads import Beat, RequestMeta, State
 
 ENTRY_ID = re.compile(r"^\d+-\d+$")
 _async_clients = weakref.WeakKeyDictionary()
@@ -134,23 +135,29 @@ async def read_after(client, request_id, last_id, block_ms):
 
 
 def admit(client, request_id, meta, opening):
-    """A new request's metadata, its state "queued" and its log's first entry, at once. They
-    must outlive the longest wait in the queue, and then the log's TTL."""
+    """A new request's metadata (a RequestMeta), its state "queued" and its log's first entry,
+    at once. They must outlive the longest wait in the queue, and then the log's TTL."""
     ttl = settings.TOKSTREAM_QUEUE_TIMEOUT + settings.TOKSTREAM_LOG_TTL
     with client.pipeline(transaction=True) as pipe:
-        pipe.hset(key(request_id, "meta"), mapping=meta)
+        pipe.hset(key(request_id, "meta"), mapping=meta.to_redis())
         pipe.expire(key(request_id, "meta"), ttl)
-        pipe.set(key(request_id, "state"), "queued", ex=ttl)
+        pipe.set(key(request_id, "state"), State.QUEUED, ex=ttl)
         pipe.xadd(key(request_id, "log"), {"e": encode(opening)}, maxlen=settings.TOKSTREAM_LOG_MAXLEN, approximate=True)
         pipe.expire(key(request_id, "log"), ttl)
         pipe.execute()
 
 
-# These take the sync or the asyncio client; with the latter, await what they return.
-
-
 def load_meta(client, request_id):
-    return client.hgetall(key(request_id, "meta"))
+    """The request's RequestMeta, None once Redis no longer has it (sync client)."""
+    return RequestMeta.from_redis(client.hgetall(key(request_id, "meta")))
+
+
+async def read_meta(client, request_id):
+    """load_meta, with the asyncio client."""
+    return RequestMeta.from_redis(await client.hgetall(key(request_id, "meta")))
+
+
+# These take the sync or the asyncio client; with the latter, await what they return.
 
 
 # Who cancelled a request, as its cancel flag says and its ledger entry keeps (`error`).
@@ -184,7 +191,7 @@ async def add_reader(client, request_id, delta):
 
 
 def steer(client, request_id, text):
-    """Queue steering text, and raise the request's flag: the worker reads flags every step
+    """Queue steering text, and raise the request's flag: the worker reads the flags every 50 ms
     and lists only when flagged."""
     queue = key(request_id, "steer")
     with client.pipeline(transaction=True) as pipe:
@@ -222,11 +229,11 @@ def heartbeat(client, worker_id, model, running=0, waiting=0, draining=False):
     """Say that this engine serves `model` for the next TOKSTREAM_WORKER_TTL seconds (and how
     busy it is, and whether it is draining: finishing what it runs, taking nothing new), and
     clear the beats of engines that stopped."""
-    beats = workers(client)
-    stale = [field for field, value in beats.items() if json.loads(value)["until"] < time.time()]
-    beat = {"model": model, "until": time.time() + settings.TOKSTREAM_WORKER_TTL, "running": running, "waiting": waiting, "draining": draining}
+    now = time.time()
+    stale = [field for field, beat in workers(client).items() if not beat.live(now)]
+    beat = Beat(model, now + settings.TOKSTREAM_WORKER_TTL, running, waiting, draining)
     with client.pipeline(transaction=False) as pipe:
-        pipe.hset(workers_key(), f"{worker_id}:{model}", json.dumps(beat))
+        pipe.hset(workers_key(), f"{worker_id}:{model}", beat.to_redis())
         if stale:
             pipe.hdel(workers_key(), *stale)
         pipe.execute()
@@ -244,25 +251,30 @@ def forget_workers(client, gone):
 def drain_workers(client, mine):
     """Mark the beats whose field `mine` says are this worker's as draining, at once: the
     worker's next beat may be seconds away, and admission must stop sending it work now."""
-    beats = {field: json.loads(value) for field, value in workers(client).items() if mine(field)}
+    beats = {field: beat for field, beat in workers(client).items() if mine(field)}
     if beats:
-        client.hset(workers_key(), mapping={field: json.dumps({**beat, "draining": True}) for field, beat in beats.items()})
+        client.hset(workers_key(), mapping={field: dataclasses.replace(beat, draining=True).to_redis() for field, beat in beats.items()})
     return list(beats)
 
 
 def workers(client):
-    """The raw heartbeats (sync or asyncio client); read them with served_models()."""
-    return client.hgetall(workers_key())
+    """The heartbeats, {field: Beat} (sync client)."""
+    return beats_of(client.hgetall(workers_key()))
+
+
+def beats_of(fields):
+    """The workers hash, as read (by a pipeline, say), made Beats."""
+    return {field: Beat.from_redis(text) for field, text in fields.items()}
 
 
 def beating(beats, worker_id, model, now=None):
     beat = beats.get(f"{worker_id}:{model}")
-    return beat is not None and json.loads(beat)["until"] >= (now or time.time())
+    return beat is not None and beat.live(now or time.time())
 
 
 def live_beats(beats):
     now = time.time()
-    return [beat for beat in map(json.loads, beats.values()) if beat["until"] >= now]
+    return [beat for beat in beats.values() if beat.live(now)]
 
 
 def served_models(beats, draining=False):
@@ -270,8 +282,8 @@ def served_models(beats, draining=False):
     finish what they run and take nothing new)."""
     served = {}
     for beat in live_beats(beats):
-        if beat.get("draining", False) == draining:
-            served[beat["model"]] = served.get(beat["model"], 0) + 1
+        if beat.draining == draining:
+            served[beat.model] = served.get(beat.model, 0) + 1
     return served
 
 

@@ -5,7 +5,7 @@ import json
 
 from inference.gateway.admission import Admitted
 from inference.protocol.chunks import ChunkWriter
-from inference.protocol.entries import Accepted, Delta, End, Line, Open, Steer, ToolArgs, ToolStart, decode, encode
+from inference.protocol.entries import Accepted, Delta, End, Line, Open, Refusal, Steer, ToolArgs, ToolStart, Usage, decode, encode, usage_of
 
 # As the dict-literal writers wrote them before the entries were types.
 OLD_FORMAT = [
@@ -16,8 +16,11 @@ OLD_FORMAT = [
     (Steer("x", 41, 2, error="too long"), {"t": "steer", "text": "x", "prompt_tokens": 41, "i": 2, "error": "too long"}),
     (ToolStart(0, "call_0", "weather"), {"t": "tool", "index": 0, "id": "call_0", "name": "weather"}),
     (ToolArgs(0, '{"city"', 1), {"t": "args", "index": 0, "text": '{"city"', "i": 1}),
-    (End(["stop"], {"prompt_tokens": 5}), {"t": "end", "finish_reasons": ["stop"], "usage": {"prompt_tokens": 5}}),
-    (End(["error"], {}, error="lost", code="request_lost"), {"t": "end", "finish_reasons": ["error"], "usage": {}, "error": "lost", "code": "request_lost"}),
+    (End(["stop"], Usage(5)), {"t": "end", "finish_reasons": ["stop"], "usage": {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}}),
+    (
+        End(["error"], error="lost", code="request_lost"),
+        {"t": "end", "finish_reasons": ["error"], "usage": usage_of(0, 0), "error": "lost", "code": "request_lost"},
+    ),
 ]
 
 
@@ -58,10 +61,10 @@ def test_a_place_in_line_reaches_the_chat_page_and_no_api_stream():
 def test_an_upstreams_acceptance_and_refusal_read_back_as_written():
     refused = End(
         ["error"],
-        {},
+        Usage(),
         error="the upstream answered 429: slow down",
         code="rate_limit_exceeded",
-        refusal={"status": 429, "type": "requests", "param": None, "retry_after": "7"},
+        refusal=Refusal(429, "requests", None, "7"),
     )
     for entry in (Accepted(), refused):
         assert decode(encode(entry)) == entry

@@ -15,7 +15,7 @@ def log(redis_client):
     request_id = "chatcmpl-coalescing"
     texts = [("Hel", 0), ("lo", 0), (" wor", 0), ("ld", 0), ("¡", 1), ("!", 1)]
     ids = [streamlog.append(redis_client, request_id, Delta(text, n + 1, i)) for n, (text, i) in enumerate(texts)]
-    ids.append(streamlog.append(redis_client, request_id, End(["stop", "stop"], {})))
+    ids.append(streamlog.append(redis_client, request_id, End(["stop", "stop"])))
     yield Admitted(request_id, "a-model", 0, 3), ids
     redis_client.delete(streamlog.key(request_id, "log"))
 

@@ -208,7 +208,7 @@ def test_it_keeps_arguments_too_deep_to_parse_as_text():
 
 def test_it_still_takes_null_for_not_given():
     chat = chat_request.parse(chat_with(tools=None, tool_choice=None, logit_bias=None, tokstream=None, seed=None), "application/json", CATALOG)
-    assert chat.tools == [] and chat.sampling["logit_bias"] == {} and chat.sampling["seed"] is None
+    assert chat.tools == [] and chat.sampling.logit_bias == {} and chat.sampling.seed is None
 
 
 @pytest.mark.parametrize("content", ["a\x00b", "\ud800", "[" * 5000])

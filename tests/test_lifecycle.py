@@ -15,7 +15,7 @@ from inference import lifecycle, streamlog
 from inference.gateway import admission
 from inference.models import PendingRequest
 from inference.protocol.entries import Delta, End, Open
-from inference.protocol.payloads import GenerateTask
+from inference.protocol.payloads import Beat, GenerateTask, RequestMeta
 from inference.signals import request_finished
 from tests import sse
 
@@ -25,9 +25,12 @@ MODEL = "a-model"
 @pytest.fixture
 def queued(redis_client):
     request_id = f"chatcmpl-life-{uuid.uuid4().hex}"
-    meta = {"owner": "key:1", "model": MODEL, "created": 0, "prompt_tokens": 3, "n": 1, "received_at": time.time(), "deadline": time.time() + 600}
-    streamlog.admit(redis_client, request_id, meta, Open(1, 0))
+    streamlog.admit(redis_client, request_id, meta(), Open(1, 0))
     return request_id
+
+
+def meta(deadline_in=600, **fields):
+    return RequestMeta("key:1", MODEL, 0, 3, time.time(), time.time() + deadline_in, **fields)
 
 
 def beat(client, worker, until):
@@ -56,14 +59,14 @@ def test_a_cancelled_expired_or_unknown_request_is_never_run(redis_client, queue
     streamlog.cancel(redis_client, queued)
     assert claim(redis_client, queued) == "cancelled"
     late = f"{queued}-late"
-    streamlog.admit(redis_client, late, {"model": MODEL, "deadline": time.time() - 1}, Open(1, 0))
+    streamlog.admit(redis_client, late, meta(deadline_in=-1), Open(1, 0))
     assert claim(redis_client, late) == "expired"
     assert claim(redis_client, f"{queued}-never-admitted") == "lost"
 
 
 def test_an_ending_is_published_once(redis_client, queued):
-    assert lifecycle.publish_end(redis_client, queued, End(["stop"], {})) == 1
-    assert lifecycle.publish_end(redis_client, queued, End(["error"], {})) == 0
+    assert lifecycle.publish_end(redis_client, queued, End(["stop"])) == 1
+    assert lifecycle.publish_end(redis_client, queued, End(["error"])) == 0
     assert [e.t for _, e in streamlog.read_all(redis_client, queued)] == ["open", "end"]
     assert claim(redis_client, queued) == "ended"
 
@@ -104,12 +107,12 @@ def test_a_claim_tried_again_after_its_reply_was_lost_still_holds(redis_client, 
     assert claim(redis_client, queued, "w1") == "running"  # another delivery, even to the same worker
 
 
-def seen(state, **fields):
-    return lifecycle.Seen(state, **fields)
+def seen(state, beats=None, cancelled=False, **fields):
+    return lifecycle.Seen(state, meta(**fields), cancelled, beats or {})
 
 
 def beats(*workers, until):
-    return {f"{worker}:{MODEL}": json.dumps({"model": MODEL, "until": until}) for worker in workers}
+    return {f"{worker}:{MODEL}": Beat(MODEL, until) for worker in workers}
 
 
 def test_one_verdict_says_when_a_request_is_over():
@@ -119,19 +122,20 @@ def test_one_verdict_says_when_a_request_is_over():
         (seen(None), None, V.LOST),
         (seen("ended"), None, V.ENDED),
         (seen("ending", ending_at=now - 1), None, V.ENDING),
+        (lifecycle.Seen("ending"), None, V.ORPHANED),  # its metadata expired with its ender
         (seen("ending", ending_at=now - lifecycle.ENDER_GRACE - 1), None, V.ORPHANED),  # its ender stopped
         (seen("running w1", beats=live, cancelled=True), None, None),  # its worker stops it
         (seen("running w1", beats=dead), None, V.ORPHANED),
         (seen("queued", beats=live, cancelled=True), None, V.CANCELLED),
-        (seen("queued", beats=live, deadline=now - 1), None, V.EXPIRED),
+        (seen("queued", beats=live, deadline_in=-1), None, V.EXPIRED),
         (seen("queued", beats=live, worker="w2"), None, V.ORPHANED),  # prefetched by a worker that died
         (seen("queued", beats=live, worker="w1"), None, None),
         (seen("queued", beats=dead), None, V.UNSERVED),
         (seen("queued", beats=live), None, None),
         # asked by a worker taking it, or holding it without having started it (a relay's wait)
         (seen("queued", worker="w2"), "w3", None),  # delivered again after its prefetcher died
-        (seen("queued", deadline=now - 1), "w3", V.EXPIRED),
-        (seen("running w3", deadline=now - 1), "w3", V.EXPIRED),  # the deadline admission stored
+        (seen("queued", deadline_in=-1), "w3", V.EXPIRED),
+        (seen("running w3", deadline_in=-1), "w3", V.EXPIRED),  # the deadline admission stored
         (seen("running w3", cancelled=True), "w3", V.CANCELLED),
         (seen("running w1", beats=live), "w3", None),
     ]
@@ -161,7 +165,7 @@ def admitted_unclaimed(model=sse.MODEL):
     admission.hold_budget(owner, admitted, task)
     client = streamlog.sync_client()
     streamlog.join_queue(client, model, admitted.request_id)
-    streamlog.admit(client, admitted.request_id, {**admitted.meta(owner), "deadline": admitted.received_at + 600}, Open(1, 0))
+    streamlog.admit(client, admitted.request_id, admitted.meta(owner), Open(1, 0))
     return admitted.request_id, raw
 
 

@@ -1,6 +1,7 @@
 """The events URL replays a request's stream after Last-Event-ID, for its owner only."""
 
 import json
+import time
 
 import httpx
 import pytest
@@ -106,8 +107,8 @@ def test_a_last_event_id_in_other_digits_is_refused_before_anything_streams(live
 def test_a_stream_whose_model_no_worker_serves_ends_with_an_error(live_service, api_key, redis_client):
     """A worker that died mid-request must not leave its readers waiting for ever."""
     key = ApiKey.authenticate(api_key)
-    orphan = Admitted("chatcmpl-orphan", "a-model-no-worker-has", 0, 3)
-    streamlog.admit(redis_client, orphan.request_id, {**orphan.meta(Owner(api_key_id=key.pk)), "include_usage": 1}, Open(1, 0))
+    orphan = Admitted("chatcmpl-orphan", "a-model-no-worker-has", 0, 3, 1, time.time())
+    streamlog.admit(redis_client, orphan.request_id, orphan.meta(Owner(api_key_id=key.pk), include_usage=True), Open(1, 0))
     status, events = replay(live_service, api_key, orphan.request_id)
     assert status == 200
     [(_, opened), (_, error), (_, usage), (_, done)] = events

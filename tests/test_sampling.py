@@ -1,6 +1,7 @@
 import torch
 
-from inference.worker.engine.sampling import SamplingParams, adjusted, choose, make_generator, probabilities
+from inference.protocol.payloads import SamplingParams
+from inference.worker.engine.sampling import adjusted, choose, make_generator, probabilities
 
 
 def sample(logits, params, generator=None, seen_ids=(), output_ids=()):

@@ -1,5 +1,6 @@
 """Admit a checked chat request: count its prompt, reserve its log, queue it for a worker."""
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from inference.models import PendingRequest
 from inference.protocol.chat_request import checked_max_tokens
 from inference.protocol.entries import Open
 from inference.protocol.errors import ApiError, not_found
-from inference.protocol.payloads import GENERATE, GenerateTask
+from inference.protocol.payloads import GENERATE, GenerateTask, RequestMeta
 from tokstream_site.celery import app
 
 UNSERVED_RETRY_SECONDS = 10  # a stopped worker's replacement has usually loaded by then
@@ -45,27 +46,21 @@ class Admitted:
     n: int = 1
     received_at: float = 0.0
 
-    def meta(self, owner):
-        """What the web processes keep of a request, enough to bill it should its worker die."""
-        return {
-            "owner": owner.label,
-            "api_key_id": owner.api_key_id or "",
-            "user_id": owner.user_id or "",
-            "model": self.model,
-            "created": self.created,
-            "prompt_tokens": self.prompt_tokens,
-            "n": self.n,
-            "received_at": self.received_at,
-        }
+    def meta(self, owner, include_usage=False, continuous_usage=False):
+        """What Redis keeps of a request beside its log, enough to bill it should its worker die."""
+        return RequestMeta(
+            owner.label, self.model, self.created, self.prompt_tokens, self.received_at, self.received_at + settings.TOKSTREAM_QUEUE_TIMEOUT,
+            self.n, owner.api_key_id, owner.user_id, include_usage, continuous_usage,
+        )  # fmt: skip
 
     @classmethod
     def from_meta(cls, request_id, meta):
-        return cls(request_id, meta["model"], int(meta["created"]), int(meta["prompt_tokens"]))
+        return cls(request_id, meta.model, meta.created, meta.prompt_tokens, meta.n, meta.received_at)
 
 
 def owned_meta(meta, owner, request_id):
     """The request's metadata if `owner` made it; otherwise it does not exist for them."""
-    if not meta or meta["owner"] != owner.label:
+    if meta is None or meta.owner != owner.label:
         raise not_found(f"No request {request_id!r} is known.", param="id")
     return meta
 
@@ -137,7 +132,7 @@ def task_of(chat, admitted, owner, ids, max_tokens):
         prompt_ids=ids or [],
         prompt_tokens=admitted.prompt_tokens,
         upstream_body=backends.of(chat.model).upstream_body(chat, max_tokens),
-        params={"max_tokens": max_tokens, **chat.sampling},
+        params=dataclasses.replace(chat.sampling, max_tokens=max_tokens),
         n=chat.n,
         tools=bool(chat.tools),
         received_at=admitted.received_at,
@@ -148,9 +143,7 @@ def task_of(chat, admitted, owner, ids, max_tokens):
 
 def enqueue(client, chat, admitted, owner, task):
     position = limits.join_queue(client, chat.model, admitted.request_id)
-    deadline = admitted.received_at + settings.TOKSTREAM_QUEUE_TIMEOUT
-    options = {"include_usage": int(chat.include_usage), "continuous_usage": int(chat.continuous_usage)}
-    meta = {**admitted.meta(owner), **options, "deadline": deadline}
+    meta = admitted.meta(owner, chat.include_usage, chat.continuous_usage)
     # The stream opens as OpenAI's does, with the role, and says where the request waits.
     opening = Open(chat.n, position)
     try:

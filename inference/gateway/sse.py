@@ -37,6 +37,7 @@ from inference.protocol.errors import (
     too_large,
     unauthorized,
 )
+from inference.protocol.payloads import State
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +134,8 @@ async def entries(client, admitted, last_id, on_idle=None):
             batch = await coalesced(client, admitted.request_id, batch)
         if not batch:
             unserved, verdict = await idle_check(client, admitted, unserved)
-            batch = await streamlog.read_after(client, admitted.request_id, last_id, None) if verdict == lifecycle.ENDED else []
-            if verdict == lifecycle.ENDED and not batch:
+            batch = await streamlog.read_after(client, admitted.request_id, last_id, None) if verdict == State.ENDED else []
+            if verdict == State.ENDED and not batch:
                 return  # it ended before the point this reader resumed from
             if on_idle and not batch:
                 await on_idle()
@@ -160,7 +161,7 @@ async def idle_check(client, admitted, unserved):
     if found == lifecycle.Verdict.LOST:
         raise StreamLost(lifecycle.MESSAGES[found])
     if found in (lifecycle.Verdict.ENDED, lifecycle.Verdict.ENDING):
-        return 0, lifecycle.ENDED  # whoever ends it wrote, or writes next, the end entry
+        return 0, State.ENDED  # whoever ends it wrote, or writes next, the end entry
     unserved = unserved + 1 if found == lifecycle.Verdict.UNSERVED else 0
     if found is not None and (found != lifecycle.Verdict.UNSERVED or unserved >= 2):
         await reap(client, request_id, seen.state, found)
@@ -169,7 +170,7 @@ async def idle_check(client, admitted, unserved):
 
 async def reap(client, request_id, state, found):
     """End the request here, unless someone else (its worker) moved first."""
-    if state == lifecycle.ENDING or await lifecycle.take_over(client, request_id, state, found):
+    if state == State.ENDING or await lifecycle.take_over(client, request_id, state, found):
         log.warning("request %s ended by its reader: %s", request_id, found)
         await sync_to_async(lifecycle.end_from_reader, thread_sensitive=False)(request_id, found)
 
@@ -447,7 +448,7 @@ class CompletionEvents(StreamingApp):
         owner = await bearer_owner(scope) or await session_owner(scope)
         if owner is None:
             raise unauthorized()
-        return owner, owned_meta(await streamlog.load_meta(client, request_id), owner, request_id)
+        return owner, owned_meta(await streamlog.read_meta(client, request_id), owner, request_id)
 
 
 def resumed_writer(admitted, meta, owner, resumed):
@@ -455,7 +456,7 @@ def resumed_writer(admitted, meta, owner, resumed):
     stream; the chat page (a session) always gets the usage, live, and its place in line."""
     if owner.api_key_id is None:
         return ChunkWriter(admitted, include_usage=True, continuous_usage=True, resumed=resumed, places=True)
-    return ChunkWriter(admitted, meta.get("include_usage") == "1", meta.get("continuous_usage") == "1", resumed=resumed)
+    return ChunkWriter(admitted, meta.include_usage, meta.continuous_usage, resumed=resumed)
 
 
 def seen_past(last_event_id, end_id):

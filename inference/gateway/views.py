@@ -134,15 +134,15 @@ def cancel(owner, request_id):
     else:
         streamlog.cancel(client, request_id)
         # Not yet taken by a worker: ended here and now, rather than when one reaches it.
-        status = "cancelled" if lifecycle.end_if_over(client, request_id, meta["model"]) else "cancelling"
+        status = "cancelled" if lifecycle.end_if_over(client, request_id, meta.model) else "cancelling"
     return JsonResponse({"id": request_id, "object": "chat.completion.cancellation", "status": status})
 
 
 def steer(owner, request_id, text):
     client = streamlog.sync_client()
     meta = owned_meta(streamlog.load_meta(client, request_id), owner, request_id)
-    if not backends.of(meta["model"]).steerable:
-        raise invalid(f"Steering is not supported for the upstream model `{meta['model']}`: the vendor generates the reply.", param="content")
+    if not backends.of(meta.model).steerable:
+        raise invalid(f"Steering is not supported for the upstream model `{meta.model}`: the vendor generates the reply.", param="content")
     if streamlog.has_ended(client, request_id):
         raise ApiError(409, f"Request {request_id!r} has finished: there is nothing left to steer.", code="request_finished")
     streamlog.steer(client, request_id, text)

@@ -26,6 +26,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from inference.protocol.errors import ApiError, invalid, not_found
+from inference.protocol.payloads import SamplingParams
 
 ROLES = ("assistant", "developer", "system", "tool", "user")
 ROLE_RULE = f"must be one of {', '.join(ROLES)}."
@@ -78,7 +79,7 @@ class ChatRequest:
     tools: list[dict] = field(default_factory=list)  # offered to the model (none with tool_choice "none")
     forced_tool: bool = False  # tool_choice "required" or a named function: the model must call one
     detach: bool = False  # keep running when the client of the POST leaves, for a later resume
-    sampling: dict = field(default_factory=dict)  # the engine's SamplingParams, but max_tokens
+    sampling: SamplingParams = SamplingParams()  # max_tokens is admission's to set
     sent: dict = field(default_factory=dict)  # the body as the client sent it: what an upstream is forwarded
 
 
@@ -331,22 +332,22 @@ def chat_of(body, data):
 
 def sampling_of(body):
     """OpenAI's sampling parameters, and vLLM's top_k, min_p and repetition_penalty."""
-    return {
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_k": max(body.top_k, 0),
-        "min_p": body.min_p,
-        "presence_penalty": body.presence_penalty,
-        "frequency_penalty": body.frequency_penalty,
-        "repetition_penalty": body.repetition_penalty,
-        "logit_bias": {int(token): value for token, value in body.logit_bias.items()},
-        "seed": body.seed,
-        "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
-        "logprobs": body.logprobs,
-        "top_logprobs": body.top_logprobs or 0,
-        "beam_width": body.tokstream.beam_width,
-        "speculative": body.tokstream.speculative,
-    }
+    return SamplingParams(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=max(body.top_k, 0),
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias={int(token): value for token, value in body.logit_bias.items()},
+        seed=body.seed,
+        stop=[body.stop] if isinstance(body.stop, str) else body.stop,
+        logprobs=body.logprobs,
+        top_logprobs=body.top_logprobs or 0,
+        beam_width=body.tokstream.beam_width,
+        speculative=body.tokstream.speculative,
+    )
 
 
 def message_of(message):
@@ -401,7 +402,7 @@ def check_beam_search(body):
         raise invalid("`n` cannot be combined with `tokstream.beam_width`.", param="n")
     sampling = sampling_of(body)
     for name, neutral in BEAM_SEARCH_EXCLUDES.items():
-        if sampling[name] != neutral:
+        if getattr(sampling, name) != neutral:
             raise invalid(f"`{name}` cannot be combined with `tokstream.beam_width`.", param=name)
 
 

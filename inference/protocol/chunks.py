@@ -114,7 +114,7 @@ class ChunkWriter:
             chunks = [self.finish_chunk(index, reason) for index, reason in enumerate(entry.finish_reasons)]
         # The usage chunk keeps its place (None) when not asked for, so event ids stay the same
         # whichever options a reader of the log chose.
-        chunks.append({**self.chunk([]), "usage": entry.usage} if self.include_usage else None)
+        chunks.append({**self.chunk([]), "usage": entry.usage.to_dict()} if self.include_usage else None)
         return chunks
 
     def interrupted_chunks(self, error):
@@ -194,8 +194,8 @@ def error_of(end):
     Retry-After); our own failures are 503 when the service was at fault, else 500."""
     if end.refusal:
         refusal = end.refusal
-        headers = {"Retry-After": refusal["retry_after"]} if refusal.get("retry_after") else {}
-        return ApiError(refusal["status"], end.error, type=refusal.get("type") or "server_error", param=refusal.get("param"), code=end.code, headers=headers)
+        headers = {"Retry-After": refusal.retry_after} if refusal.retry_after else {}
+        return ApiError(refusal.status, end.error, type=refusal.type or "server_error", param=refusal.param, code=end.code, headers=headers)
     return ApiError(503 if end.code in UNAVAILABLE else 500, end.error, type="server_error", code=end.code)
 
 
@@ -209,7 +209,7 @@ def completion(admitted, deltas, end):
         "created": admitted.created,
         "model": admitted.model,
         "choices": [choice(index, [d for d in deltas if d.i == index], reason) for index, reason in enumerate(end.finish_reasons)],
-        "usage": end.usage,
+        "usage": end.usage.to_dict(),
     }
 
 

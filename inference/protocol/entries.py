@@ -97,23 +97,54 @@ class Line:
     t = "line"
 
 
-@dataclass(frozen=True)
-class End:
-    """The last entry: each choice's finish reason and the usage, or the error that ended it.
-    `refusal` is an upstream's refusal before its first byte, as its client is to be told it:
-    {"status", "type", "param", "retry_after"} (the message and code are `error` and `code`)."""
-
-    finish_reasons: list = field(default_factory=list)
-    usage: dict = field(default_factory=dict)
-    error: str | None = None
-    code: str | None = None
-    refusal: dict | None = None
-    t = "end"
-
-
 def usage_of(prompt_tokens, completion_tokens):
     """OpenAI's usage object: every count a client is told, in the log, a chunk or an answer."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass(frozen=True)
+class Usage:
+    """A request's token counts; in the log as OpenAI's usage object."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def to_dict(self):
+        return usage_of(self.prompt_tokens, self.completion_tokens)
+
+    @classmethod
+    def from_dict(cls, data):
+        return cls(data.get("prompt_tokens", 0), data.get("completion_tokens", 0))
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An upstream's refusal before its first byte, as its client is to be told it (the message
+    and the code are the end entry's `error` and `code`)."""
+
+    status: int
+    type: str | None = None
+    param: str | None = None
+    retry_after: str | None = None
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data):
+        return cls(data["status"], data.get("type"), data.get("param"), data.get("retry_after"))
+
+
+@dataclass(frozen=True)
+class End:
+    """The last entry: each choice's finish reason and the usage, or the error that ended it."""
+
+    finish_reasons: list = field(default_factory=list)
+    usage: Usage = Usage()
+    error: str | None = None
+    code: str | None = None
+    refusal: Refusal | None = None
+    t = "end"
 
 
 KINDS = {kind.t: kind for kind in (Open, Delta, Steer, ToolStart, ToolArgs, Accepted, Line, End)}
@@ -135,10 +166,14 @@ def layout(kind):
     return tuple(f.name for f in fields), {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
 
 
+NESTED = {"usage": Usage, "refusal": Refusal}  # fields that are types of their own, as JSON objects
+
+
 def to_dict(entry):
     names, defaults = layout(type(entry))
     values = ((name, getattr(entry, name)) for name in names)
-    return {"t": entry.t, **{name: value for name, value in values if name not in defaults or value != defaults[name]}}
+    kept = {name: value for name, value in values if name not in defaults or value != defaults[name] or name == "usage"}
+    return {"t": entry.t, **{name: value.to_dict() if name in NESTED and value is not None else value for name, value in kept.items()}}
 
 
 def encode(entry):
@@ -153,7 +188,10 @@ def from_dict(data):
     if kind is None:
         return None
     names, _ = layout(kind)
-    return kind(**{name: value for name, value in data.items() if name in names})
+    fields = {name: value for name, value in data.items() if name in names}
+    for name in NESTED.keys() & fields.keys():
+        fields[name] = NESTED[name].from_dict(fields[name]) if fields[name] is not None else None
+    return kind(**fields)
 
 
 def decode(text):

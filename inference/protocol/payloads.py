@@ -1,13 +1,59 @@
-"""What the gateway sends a worker to run one request: the Celery task's arguments, as one type.
+"""What crosses between the processes, one type each with its encoding beside it: the task the
+gateway sends a worker (`GenerateTask`), a request's metadata and state in Redis (`RequestMeta`,
+`State`), and a worker's heartbeat (`Beat`).
+
+What the gateway sends a worker to run one request: the Celery task's arguments, as one type.
 
 The gateway sends it by name (it never imports the worker); the pending row keeps it, should the
 request need sending again. On the wire it is the task's keyword arguments, a JSON object.
 """
 
 import dataclasses
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
 
 GENERATE = "inference.tasks.generate"  # the task's name, as workers register it
+# Below this a temperature is greedy: dividing by it would overflow the logits (as in vLLM).
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples: OpenAI's parameters, vLLM's top_k, min_p and repetition_penalty,
+    and our own (beam search, drafts)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    beam_width: int = 1  # above 1: beam search (deterministic; the sampling knobs do not apply)
+    speculative: bool = True  # prompt-lookup drafts where the engine finds them worth it
+
+    @property
+    def greedy(self):
+        return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def penalised(self):
+        """The logits depend on the output so far: each token must be seen before the next."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @classmethod
+    def from_dict(cls, fields):
+        """From its JSON object (a Celery message's), whose keys JSON made strings."""
+        bias = {int(token): float(value) for token, value in fields.get("logit_bias", {}).items()}
+        return cls(**{**fields, "logit_bias": bias})
 
 
 @dataclass(frozen=True)
@@ -15,7 +61,7 @@ class GenerateTask:
     request_id: str
     model: str
     prompt_ids: list  # the ids the local model reads; empty for an upstream
-    params: dict  # SamplingParams' fields, max_tokens included
+    params: SamplingParams  # max_tokens included
     received_at: float
     prompt_tokens: int = 0  # as billed: len(prompt_ids), or the upstream's count
     n: int = 1
@@ -24,9 +70,116 @@ class GenerateTask:
     api_key_id: int | None = None
     user_id: int | None = None
 
+    def __post_init__(self):
+        if isinstance(self.params, dict):  # as the task's JSON arguments carry it
+            object.__setattr__(self, "params", SamplingParams.from_dict(self.params))
+
     def as_kwargs(self):
         return dataclasses.asdict(self)
 
     @property
     def max_tokens(self):
-        return self.params["max_tokens"]
+        return self.params.max_tokens
+
+
+def _flag(value):
+    return value in ("1", "True", "true")
+
+
+def _number(kind, value):
+    return kind(float(value)) if value not in (None, "") else None
+
+
+@dataclass(frozen=True)
+class RequestMeta:
+    """What Redis keeps beside an admitted request's log (its `meta` hash): what admission knows,
+    enough to bill it should its worker die, and what workers and enders add. Every Python reader
+    goes through `from_redis`; the Lua scripts name its fields from `META_FIELDS`."""
+
+    owner: str  # the key or the user it belongs to, as `Owner.label` says
+    model: str
+    created: int
+    prompt_tokens: int
+    received_at: float
+    deadline: float  # the queue's deadline, fixed at admission
+    n: int = 1
+    api_key_id: int | None = None
+    user_id: int | None = None
+    include_usage: bool = False
+    continuous_usage: bool = False
+    worker: str | None = None  # the worker that prefetched it, then the one that claimed it
+    claim: str | None = None  # the token of the claim that took it
+    ran: bool = False  # a worker claimed it: its prompt was read
+    ending_at: float | None = None  # when its ender took it over
+
+    def to_redis(self):
+        """The hash admission writes: strings, without the fields nobody set."""
+        fields = dataclasses.asdict(self)
+        return {name: str(int(value) if isinstance(value, bool) else value) for name, value in fields.items() if value is not None}
+
+    @classmethod
+    def from_redis(cls, fields):
+        """The metadata from its hash; None when Redis no longer has it."""
+        if not fields:
+            return None
+        return cls(
+            owner=fields["owner"],
+            model=fields["model"],
+            created=int(fields["created"]),
+            prompt_tokens=int(fields["prompt_tokens"]),
+            received_at=float(fields["received_at"]),
+            deadline=float(fields["deadline"]),
+            n=int(fields.get("n", 1)),
+            api_key_id=_number(int, fields.get("api_key_id")),
+            user_id=_number(int, fields.get("user_id")),
+            include_usage=_flag(fields.get("include_usage")),
+            continuous_usage=_flag(fields.get("continuous_usage")),
+            worker=fields.get("worker") or None,
+            claim=fields.get("claim") or None,
+            ran=_flag(fields.get("ran")),
+            ending_at=_number(float, fields.get("ending_at")),
+        )
+
+
+META_FIELDS = tuple(field.name for field in dataclasses.fields(RequestMeta))  # as Lua scripts name them
+
+
+class State(StrEnum):
+    """A request's state key; a claimed one's is `running <worker>` (`running`, `holder`)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    ENDING = "ending"
+    ENDED = "ended"
+
+
+def running(worker_id):
+    return f"{State.RUNNING} {worker_id}"
+
+
+def holder(state):
+    """The worker a running state names, else None."""
+    prefix = f"{State.RUNNING} "
+    return state[len(prefix) :] if state and state.startswith(prefix) else None
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A worker's heartbeat for one model (a field of the workers hash, `host:pid:boot:device:model`)."""
+
+    model: str
+    until: float  # live until then
+    running: int = 0
+    waiting: int = 0
+    draining: bool = False  # finishing what it runs, taking nothing new
+
+    def to_redis(self):
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_redis(cls, text):
+        fields = json.loads(text)
+        return cls(fields["model"], float(fields["until"]), int(fields.get("running", 0)), int(fields.get("waiting", 0)), bool(fields.get("draining", False)))
+
+    def live(self, now):
+        return self.until >= now

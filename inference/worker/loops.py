@@ -1,8 +1,9 @@
 """One engine per model and device per worker process, each driven by its own thread.
 
 Celery tasks submit requests and read their outputs from a queue; the thread steps the engine
-whenever there is work, checks the cancel flags in Redis once per step, and keeps a heartbeat
-key alive so /healthz can tell that a worker has its model loaded.
+whenever there is work, reads the cancel and steering flags in Redis every SIGNAL_SECONDS (and
+before any waiting prompt is computed), and keeps a heartbeat key alive so /healthz can tell
+that a worker has its model loaded.
 """
 
 import ctypes
@@ -16,7 +17,8 @@ import uuid
 
 from django.conf import settings
 
-from inference import backends, lifecycle, metrics, registry, streamlog
+from inference import backends, metrics, registry, streamlog
+from inference.protocol.payloads import holder
 from inference.worker.engine import Engine, Request, SamplingParams, loader
 from inference.worker.engine.llama import LlamaRunner, drop_model_matrices
 
@@ -185,7 +187,7 @@ class EngineLoop(threading.Thread):
             claimed = list(self.claimed)
         cancelled, steering, states = streamlog.signals_among(self.redis, live)
         for request_id in claimed:
-            if lifecycle.holder(states.get(request_id)) != self.worker_id:
+            if holder(states.get(request_id)) != self.worker_id:
                 # Ended by a reader that thought this worker dead, or lost with Redis: nobody
                 # reads on, and another ending is already written or on its way. Told first
                 # (the first reason given stands): a client told of the loss leaves, and its

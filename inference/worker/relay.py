@@ -13,7 +13,7 @@ import httpx
 
 from billing import ledger
 from inference import backends, lifecycle, streamlog, upstream
-from inference.protocol.entries import Accepted, Delta, FinishReason, ToolArgs, ToolStart
+from inference.protocol.entries import Accepted, Delta, FinishReason, Refusal, ToolArgs, ToolStart
 from inference.worker import slots
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class Relay:
             status, error = 502, {}
         kind = error.get("type") if isinstance(error.get("type"), str) else ("server_error" if status >= 500 else "invalid_request_error")
         param, code = error.get("param"), error.get("code")
-        refusal = {"status": status, "type": kind, "param": param if isinstance(param, str) else None, "retry_after": response.headers.get("retry-after")}
+        refusal = Refusal(status, kind, param if isinstance(param, str) else None, response.headers.get("retry-after"))
         self.fail(message, code=str(code) if code is not None else None, refusal=refusal)
 
     def fail(self, message, code=None, refusal=None):
@@ -186,7 +186,7 @@ class Relay:
 
 def gateway_refusal(status):
     """No answer from the upstream before its first byte: a gateway's status, 502 or 504."""
-    return {"status": status, "type": "server_error", "param": None, "retry_after": None}
+    return Refusal(status, "server_error")
 
 
 def upstream_error(response):

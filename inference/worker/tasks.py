@@ -4,6 +4,7 @@ Whatever happens, the request ends with exactly one ledger entry and an end entr
 so no client is left waiting.
 """
 
+import dataclasses
 import logging
 import os
 import queue
@@ -14,11 +15,12 @@ from celery import shared_task
 from celery.signals import task_received, worker_ready, worker_shutdown, worker_shutting_down
 from celery.worker import state as worker_state
 
+from billing import ledger
 from inference import lifecycle, registry, streamlog, upstream
 from inference.protocol.entries import Delta, FinishReason, Line, Steer, ToolArgs, ToolStart
 from inference.protocol.payloads import GENERATE, GenerateTask
 from inference.protocol.tools import ToolCallParser
-from inference.worker.engine import SamplingParams, choices
+from inference.worker.engine import choices
 from inference.worker.loops import LOST_CLAIM, Sweeper, drain_own_beats, engine_loop, forget_own_beats, forget_stopped_here, reserve
 from inference.worker.relay import Relay
 
@@ -35,9 +37,9 @@ def generate(**fields):
     loop = engine_loop(task.model)
     relayed = task.upstream_body is not None
     verdict = lifecycle.claim(client, task.request_id, task.model, loop.worker_id, keep_queued=relayed)
-    if verdict in ("running", "ended"):
+    if verdict in (lifecycle.Claim.RUNNING, lifecycle.Verdict.ENDED):
         return  # a second delivery: the first is running it, or it is over
-    if verdict != "claimed":
+    if verdict != lifecycle.Claim.CLAIMED:
         # Its client left, its deadline passed, Redis lost it, or its worker died: never run.
         return lifecycle.end_abandoned(client, facts, verdict)
     if relayed:
@@ -46,7 +48,7 @@ def generate(**fields):
 
 
 def run_locally(client, loop, facts, prompt_ids, params, tools):
-    requests = choices(facts.request_id, prompt_ids, SamplingParams(**params), facts.n)
+    requests = choices(facts.request_id, prompt_ids, params, facts.n)
     gaps = []
     try:
         relay(loop, requests, client, tools, gaps)
@@ -58,8 +60,8 @@ def run_locally(client, loop, facts, prompt_ids, params, tools):
     finally:
         outcome = outcome_of(requests)
         finish_reasons = [r.finish_reason or FinishReason.ERROR for r in requests]
-        fields = local_fields(requests, facts.model, loop.model.tokenizer_id)
-        lifecycle.end(client, facts, outcome, finish_reasons, gaps, **fields)
+        provenance = local_provenance(requests, facts.model, loop.model.tokenizer_id)
+        lifecycle.end(client, facts, outcome, finish_reasons, gaps, provenance)
 
 
 def relay_upstream(client, facts, body, worker_id, max_tokens):
@@ -73,11 +75,11 @@ def relay_upstream(client, facts, body, worker_id, max_tokens):
         relay.fail(f"the relay failed: {exc}")
     finally:
         counted_prompt = facts.prompt_tokens if relay.sent else 0  # a request the upstream never took costs nothing
-        prompt_tokens, completion_tokens, fields = upstream_billing(relay, counted_prompt, counted_completion(relay))
+        prompt_tokens, completion_tokens, provenance = upstream_billing(relay, counted_prompt, counted_completion(relay))
         outcome = lifecycle.Outcome(
             relay.finish_reason, prompt_tokens, completion_tokens, relay.error, relay.started_at, relay.first_token_at, time.time(), relay.code, relay.refusal
         )
-        lifecycle.end(client, facts, outcome, [relay.finish_reason], **fields)
+        lifecycle.end(client, facts, outcome, [relay.finish_reason], provenance=provenance)
 
 
 def counted_completion(relay):
@@ -210,32 +212,36 @@ def earliest(times):
     return min(times) if times else None
 
 
-def local_fields(requests, model, tokenizer_id):
-    return {
-        "model_served": model,
-        "tokenizer": tokenizer_id,
-        "cached_prompt_tokens": requests[0].cached_tokens,  # the prompt is billed once, as choice 0 read it
-        "steering_tokens": sum(r.steered_tokens for r in requests),
-    }
+def local_provenance(requests, model, tokenizer_id):
+    return ledger.Provenance(
+        model_served=model,
+        tokenizer=tokenizer_id,
+        cached_prompt_tokens=requests[0].cached_tokens,  # the prompt is billed once, as choice 0 read it
+        steering_tokens=sum(r.steered_tokens for r in requests),
+    )
 
 
 def upstream_billing(relay, counted_prompt, counted_completion):
-    """(prompt tokens billed, completion tokens billed, the entry's other fields): the
+    """(prompt tokens billed, completion tokens billed, the entry's Provenance): the
     upstream's usage when it reported it, our count beside it; otherwise our count, marked as
     an estimate, with nothing to compare it to."""
-    fields = {
-        "model_served": relay.backend.served_model,
-        "tokenizer": relay.backend.tokenizer_id(),
-        "vendor_request_id": relay.vendor_id,
-        "counted_prompt_tokens": counted_prompt,
-        "counted_completion_tokens": counted_completion,
-    }
+    ours = ledger.Provenance(
+        usage_source=upstream.ESTIMATED,
+        model_served=relay.backend.served_model,
+        tokenizer=relay.backend.tokenizer_id(),
+        vendor_request_id=relay.vendor_id,
+        counted_prompt_tokens=counted_prompt,
+        counted_completion_tokens=counted_completion,
+    )
     reported = upstream.vendor_counts(relay.vendor_usage)
     if reported is None:
-        return counted_prompt, counted_completion, {**fields, "usage_source": upstream.ESTIMATED}
+        return counted_prompt, counted_completion, ours
     prompt, cached, completion = reported
-    vendor = {"vendor_prompt_tokens": prompt, "vendor_cached_prompt_tokens": cached, "vendor_completion_tokens": completion}
-    return prompt, completion, {**fields, **vendor, "usage_source": upstream.FROM_UPSTREAM, "cached_prompt_tokens": min(cached, prompt)}
+    theirs = dataclasses.replace(
+        ours, usage_source=upstream.FROM_UPSTREAM, cached_prompt_tokens=min(cached, prompt),
+        vendor_prompt_tokens=prompt, vendor_cached_prompt_tokens=cached, vendor_completion_tokens=completion,
+    )  # fmt: skip
+    return prompt, completion, theirs
 
 
 @worker_ready.connect

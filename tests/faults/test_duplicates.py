@@ -9,7 +9,7 @@ import pytest
 from inference import lifecycle, streamlog
 from inference.models import PendingRequest
 from inference.protocol.entries import Delta
-from inference.protocol.payloads import GENERATE
+from inference.protocol.payloads import GENERATE, State
 from tests.faults.conftest import rows_for
 from tests.faults.streams import body, record
 from tests.faults.test_worker_killed import ESSAY, wait_for_requests, wait_until_running
@@ -44,5 +44,5 @@ def test_a_task_delivered_again_is_generated_once(live_service, api_key, redis_c
     app.send_task(GENERATE, kwargs=task, queue="inference")  # after its end
     time.sleep(3)
     assert redis_client.xlen(streamlog.key(request_id, "log")) == length
-    assert redis_client.get(lifecycle.state_key(request_id)) == lifecycle.ENDED
+    assert redis_client.get(lifecycle.state_key(request_id)) == State.ENDED
     assert len(rows_for([request_id], seconds=1)[request_id]) == 1

@@ -95,10 +95,10 @@ def test_a_generation_that_fails_ends_with_an_error_and_a_failed_row(engine_here
     produced = [e for e in entries if isinstance(e, Delta)]
     admitted = Admitted(task["request_id"], MODEL, 0, len(task["prompt_ids"]))
     error, usage = ChunkWriter(admitted, include_usage=True).chunks(end)
-    assert error["error"]["type"] == "server_error" and usage["usage"] == end.usage
+    assert error["error"]["type"] == "server_error" and usage["usage"] == end.usage.to_dict()
     row = UsageEntry.objects.get(request_id=task["request_id"])
     assert row.status == "failed" and "the accelerator fell over" in row.error
-    assert row.prompt_tokens == len(task["prompt_ids"]) and row.completion_tokens == (produced[-1].n if produced else 0) == end.usage["completion_tokens"]
+    assert row.prompt_tokens == len(task["prompt_ids"]) and row.completion_tokens == (produced[-1].n if produced else 0) == end.usage.completion_tokens
     assert not PendingRequest.objects.filter(request_id=task["request_id"]).exists()
 
 
@@ -127,6 +127,6 @@ def admitted_here(tokenizer, content):
         received_at=task["received_at"],
         task=task,
     )
-    meta = {**Admitted(request_id, MODEL, int(time.time()), len(prompt), 1, task["received_at"]).meta(Owner(api_key_id=key.pk)), "deadline": time.time() + 600}
+    meta = Admitted(request_id, MODEL, int(time.time()), len(prompt), 1, task["received_at"]).meta(Owner(api_key_id=key.pk))
     streamlog.admit(streamlog.sync_client(), request_id, meta, Open(1, 0))
     return task

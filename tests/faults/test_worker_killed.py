@@ -13,7 +13,7 @@ from django.conf import settings
 
 from inference import lifecycle, streamlog
 from inference.models import PendingRequest
-from inference.protocol.payloads import GENERATE
+from inference.protocol.payloads import GENERATE, holder
 from tests.conftest import separate_service
 from tests.faults.conftest import holds_back, queue_empty, rows_for
 from tests.faults.streams import body, record, record_many
@@ -106,7 +106,7 @@ def wait_until_running(client, ids, count, seconds=120):
     """Until `count` requests have produced text: their ids."""
 
     def producing():
-        running = [r for r, state in states(client, ids).items() if state.startswith(lifecycle.RUNNING)]
+        running = [r for r, state in states(client, ids).items() if holder(state)]
         found = [r for r in running if client.xlen(streamlog.key(r, "log")) > 2]
         return found if len(found) >= count else None
 

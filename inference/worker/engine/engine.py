@@ -21,6 +21,7 @@ import torch
 
 from inference import model_files
 from inference.protocol.entries import FinishReason
+from inference.protocol.payloads import SamplingParams
 
 from . import formats
 from .beam import BeamSearch
@@ -31,7 +32,7 @@ from .kv_cache import BLOCK_SIZE, BlockPool
 from .kv_manager import KVCacheManager
 from .llama import LlamaRunner
 from .output_processor import OutputProcessor
-from .sampling import NO_TOKEN, SamplingParams, adjusted, choose, make_generator, processed
+from .sampling import NO_TOKEN, adjusted, choose, make_generator, processed
 from .scheduler import DRAFT_LENGTH, Scheduler
 from .speculative import Drafter, accepted, verdict_greedy, verdict_sampled
 

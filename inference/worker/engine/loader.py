@@ -39,7 +39,7 @@ def pick_dtype(device, setting="auto"):
         return getattr(torch, setting)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32  # bf16 is not faster than fp32 on these CPUs (DESIGN.md)
+    return torch.float32  # bf16 activations measured no faster on these CPUs; reduced precision pays in the weights (formats.py)
 
 
 def load_echo(name, folder, step_seconds):

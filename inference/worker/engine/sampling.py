@@ -6,48 +6,11 @@ results stay tensors, so the engine moves every pick of a step to the host in on
 Only a request's own adjustments (penalties, a logit bias) are applied row by row.
 """
 
-from dataclasses import dataclass, field
-
 import torch
 
 # Tokens a top-k or top-p row is cut from first (its nucleus is almost always among them).
 CANDIDATES = 1024
 NO_TOKEN = -1  # what choose picks for a row with no distribution to draw from (NaN logits)
-# Below this a temperature is greedy: dividing by it would overflow the logits (as in vLLM).
-MIN_TEMPERATURE = 1e-5
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    logprobs: bool = False
-    top_logprobs: int = 0
-    beam_width: int = 1  # above 1: beam search (deterministic; the sampling knobs do not apply)
-    speculative: bool = True  # prompt-lookup drafts where the engine finds them worth it
-
-    @property
-    def greedy(self):
-        return self.temperature < MIN_TEMPERATURE
-
-    @property
-    def penalised(self):
-        """The logits depend on the output so far: each token must be seen before the next."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
-
-    def __post_init__(self):
-        # JSON (a Celery message, say) turns integer keys into strings.
-        self.logit_bias = {int(token): float(bias) for token, bias in dict(self.logit_bias).items()}
 
 
 def make_generator(seed, device):
