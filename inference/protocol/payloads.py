@@ -1,10 +1,8 @@
 """What crosses between the processes, one type each with its encoding beside it: the task the
 gateway sends a worker (`GenerateTask`), a request's metadata and state in Redis (`RequestMeta`,
-`State`), and a worker's heartbeat (`Beat`).
+`State`), a worker's heartbeat (`Beat`), and how a request samples (`SamplingParams`).
 
-What the gateway sends a worker to run one request: the Celery task's arguments, as one type.
-
-The gateway sends it by name (it never imports the worker); the pending row keeps it, should the
+The gateway sends the task by name (it never imports the worker); the pending row keeps it, should the
 request need sending again. On the wire it is the task's keyword arguments, a JSON object.
 """
 
@@ -145,16 +143,12 @@ META_FIELDS = tuple(field.name for field in dataclasses.fields(RequestMeta))  # 
 
 
 class State(StrEnum):
-    """A request's state key; a claimed one's is `running <worker>` (`running`, `holder`)."""
+    """A request's state key; a claimed one's is `running <worker>` (see `holder`)."""
 
     QUEUED = "queued"
     RUNNING = "running"
     ENDING = "ending"
     ENDED = "ended"
-
-
-def running(worker_id):
-    return f"{State.RUNNING} {worker_id}"
 
 
 def holder(state):
