@@ -31,6 +31,7 @@ _load_lock = threading.Lock()  # transformers' loading is not thread-safe (it pa
 # How often the loop reads the cancel and steering flags: a Redis round trip every step cost
 # 2-4% of a CPU step (more on a GPU), and a cancel 50 ms late frees its slot soon enough.
 SIGNAL_SECONDS = 0.05
+RETRY_SECONDS = 1  # after a failed iteration (Redis away): try again soon, without spinning
 
 
 STOPPED = threading.Event()  # the worker is shutting down: its engines beat no more
@@ -152,7 +153,7 @@ class EngineLoop(threading.Thread):
                 self.run_once()
             except Exception:  # Redis went away, say: the loop must outlive it
                 log.exception("engine loop iteration failed")
-                time.sleep(1)
+                time.sleep(RETRY_SECONDS)
 
     def run_once(self):
         self.heartbeat()

@@ -11,6 +11,9 @@ from django.utils.crypto import get_random_string
 from tokstream_site import processes
 
 
+WATCH_SECONDS = 0.5  # how often the children are checked: one that exits stops them all
+STOP_GRACE_SECONDS = 10  # a child still running this long after SIGTERM is killed
+
 class Command(BaseCommand):
     help = "Run the whole service in the foreground: Redis if none answers, Daphne and a worker."
 
@@ -28,7 +31,7 @@ class Command(BaseCommand):
         self.stdout.write(self.style.SUCCESS(f"tokstream on http://{host}:{port}/ (Ctrl-C stops it)"))
         try:
             while all(child.poll() is None for child in children):
-                time.sleep(0.5)
+                time.sleep(WATCH_SECONDS)
         except KeyboardInterrupt:
             pass
         finally:
@@ -49,6 +52,6 @@ def stop(children):
             child.send_signal(signal.SIGTERM)
     for child in children:
         try:
-            child.wait(timeout=10)
+            child.wait(timeout=STOP_GRACE_SECONDS)
         except subprocess.TimeoutExpired:
             child.kill()
