@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/memory.py [--streams 32] [--tokens 256] [--tree DIR] [--sampled] [--quality]
 
-(a) In a fresh process per figure: loads the default model as the worker does (loops.load and
-    loops.build_engine, with the shipped settings), then runs `streams` greedy requests at once
+(a) In a fresh process per figure: loads the default model as the worker does (engines.load and
+    engines.build_engine, with the shipped settings), then runs `streams` greedy requests at once
     for `tokens` tokens each, and prints the peak resident set (VmHWM) and the resident set
     (VmRSS) after the start and after the streams; and the tokens per second of one stream,
     then of `streams` together (prefill included): greedy, or with `--sampled` each with its
@@ -42,10 +42,10 @@ def worker_figures(streams, tokens, sampled=False):
     django.setup()
     from django.conf import settings
 
-    from inference.worker import loops
+    from inference.worker import engines
 
     name = next(n for n, entry in settings.TOKSTREAM_MODELS.items() if entry["source"].startswith("package:"))  # the shipped model
-    engine = loops.build_engine(loops.load(name))
+    engine = engines.build_engine(engines.load(name))
     started = {"resident after the start MB": status_mb("VmRSS"), "peak during the start MB": status_mb("VmHWM")}
     one = tokens_per_second(engine, 1, tokens, sampled)
     many = tokens_per_second(engine, streams, tokens, sampled)

@@ -34,9 +34,9 @@ import serving  # noqa: E402  (bench/serving.py)
 from django.core.management import call_command  # noqa: E402
 
 from billing.models import ApiKey  # noqa: E402
-from inference.worker import loops  # noqa: E402
+from inference.worker import engines  # noqa: E402
 from inference.worker.engine import Request, SamplingParams  # noqa: E402
-from inference.worker.loops import build_engine  # noqa: E402
+from inference.worker.engines import build_engine  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 MESSAGES = [{"role": "user", "content": "Tell me about the history of tea in a few paragraphs."}]
@@ -102,7 +102,7 @@ def main():
     _, key = ApiKey.issue("bench")
     children = start_service(args.port)
     try:
-        model = loops.load(MODEL)
+        model = engines.load(MODEL)
         engine = build_engine(model)  # as the worker builds it
         prompt = model.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
         engine_run(engine, prompt, 4)  # warm up

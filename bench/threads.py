@@ -26,7 +26,7 @@ django.setup()
 
 from django.conf import settings  # noqa: E402
 
-from inference.worker import loops  # noqa: E402
+from inference.worker import engines  # noqa: E402
 from inference.worker.engine import Engine, Request, SamplingParams  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -58,7 +58,7 @@ def main():
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=100)
     args = parser.parse_args()
-    lm = loops.load(MODEL, "cpu")
+    lm = engines.load(MODEL, "cpu")
     engine = Engine.for_model(lm, 16_000, weights=settings.TOKSTREAM_WEIGHTS)
     prompt = lm.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
     step_ms(engine, prompt, 4)  # warm up, on this (the loading) thread

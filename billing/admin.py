@@ -211,9 +211,9 @@ class PriceSheetAdmin(admin.ModelAdmin):
 
 @admin.register(Budget)
 class BudgetAdmin(admin.ModelAdmin):
-    list_display = ["__str__", "token_limit", "money_limit", "reserved_tokens", "reserved_money"]
+    list_display = ["__str__", "token_limit", "money_limit", "held_tokens", "held_money"]
     list_filter = ["period"]
-    readonly_fields = ["reserved_tokens", "reserved_money"]
+    readonly_fields = ["held_tokens", "held_money"]
 
 
 @admin.register(ApiKey)

@@ -1,4 +1,4 @@
-"""Budgets with reservations: admission holds a request's worst case against every budget of
+"""Budgets with holds: admission holds a request's worst case against every budget of
 its key and user, under a row lock, and its end gives the hold back (the ledger then carries
 what it really cost). So concurrent requests cannot together pass a budget."""
 
@@ -26,8 +26,8 @@ def worst_cost(model, prompt_tokens, completion_tokens, now):
     return sheet.costs(prompt_tokens, 0, completion_tokens)["total_cost"]
 
 
-def reserve(api_key_id, user_id, model, prompt_tokens, completion_tokens):
-    """Hold the worst case, or raise OverBudget; returns the reservation to settle later."""
+def hold(api_key_id, user_id, model, prompt_tokens, completion_tokens):
+    """Hold the worst case, or raise OverBudget; returns the hold, for `release` at the end."""
     now = timezone.now()
     tokens, money = prompt_tokens + completion_tokens, worst_cost(model, prompt_tokens, completion_tokens, now)
     owners = Q(api_key_id=api_key_id) if api_key_id else Q(pk__in=[])
@@ -38,30 +38,30 @@ def reserve(api_key_id, user_id, model, prompt_tokens, completion_tokens):
         for budget in budgets:
             check(budget, tokens, money, now)
         for budget in budgets:
-            budget.reserved_tokens += tokens
-            budget.reserved_money += money
-            budget.save(update_fields=["reserved_tokens", "reserved_money"])
+            budget.held_tokens += tokens
+            budget.held_money += money
+            budget.save(update_fields=["held_tokens", "held_money"])
     return {"budgets": [b.pk for b in budgets], "tokens": tokens, "money": str(money)}
 
 
 def check(budget, tokens, money, now):
     spent_tokens, spent_money = budget.spent(now)
     per = PER_PERIOD[budget.period]
-    if budget.token_limit is not None and spent_tokens + budget.reserved_tokens + tokens > budget.token_limit:
+    if budget.token_limit is not None and spent_tokens + budget.held_tokens + tokens > budget.token_limit:
         raise OverBudget(
-            f"This request could use {tokens} tokens; the {per} budget of {budget.token_limit} has {budget.token_limit - spent_tokens - budget.reserved_tokens} left."
+            f"This request could use {tokens} tokens; the {per} budget of {budget.token_limit} has {budget.token_limit - spent_tokens - budget.held_tokens} left."
         )
-    if budget.money_limit is not None and spent_money + budget.reserved_money + money > budget.money_limit:
+    if budget.money_limit is not None and spent_money + budget.held_money + money > budget.money_limit:
         raise OverBudget(f"This request could cost {money}; the {per} budget of {budget.money_limit} does not have that left.")
 
 
-def settle(reservation):
+def release(held):
     """The request ended (its ledger entry is written): give its hold back."""
-    if not reservation or not reservation["budgets"]:
+    if not held or not held["budgets"]:
         return
-    tokens, money = reservation["tokens"], Decimal(reservation["money"])
+    tokens, money = held["tokens"], Decimal(held["money"])
     with transaction.atomic():
-        for budget in Budget.objects.select_for_update().filter(pk__in=reservation["budgets"]).order_by("pk"):
-            budget.reserved_tokens = max(budget.reserved_tokens - tokens, 0)
-            budget.reserved_money = max(budget.reserved_money - money, Decimal(0))
-            budget.save(update_fields=["reserved_tokens", "reserved_money"])
+        for budget in Budget.objects.select_for_update().filter(pk__in=held["budgets"]).order_by("pk"):
+            budget.held_tokens = max(budget.held_tokens - tokens, 0)
+            budget.held_money = max(budget.held_money - money, Decimal(0))
+            budget.save(update_fields=["held_tokens", "held_money"])

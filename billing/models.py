@@ -286,8 +286,8 @@ class Budget(models.Model):
     period = models.CharField(max_length=5, choices=Period.choices, default=Period.MONTH)
     token_limit = models.PositiveBigIntegerField(null=True, blank=True, help_text="Prompt plus completion tokens; empty: no limit.")
     money_limit = models.DecimalField(max_digits=14, decimal_places=6, null=True, blank=True, help_text="Empty: no limit.")
-    reserved_tokens = models.PositiveBigIntegerField(default=0, editable=False)
-    reserved_money = models.DecimalField(max_digits=20, decimal_places=9, default=0, editable=False)
+    held_tokens = models.PositiveBigIntegerField(default=0, editable=False)
+    held_money = models.DecimalField(max_digits=20, decimal_places=9, default=0, editable=False)
 
     class Meta:
         constraints = [

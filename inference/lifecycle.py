@@ -145,7 +145,7 @@ end
 return 1
 """)
 
-RESERVE = lua("""
+MARK_PREFETCHED = lua("""
 if redis.call('GET', KEYS[1]) == '$QUEUED' then redis.call('HSET', KEYS[2], '$worker', ARGV[1]) end
 """)
 
@@ -205,9 +205,9 @@ def claim_once(client, request_id, model, worker_id, token, keep_queued):
     return None
 
 
-def reserve(client, request_id, worker_id):
+def mark_prefetched(client, request_id, worker_id):
     """A worker prefetched the request: should that worker die, its readers know whom to ask."""
-    client.eval(RESERVE, 2, state_key(request_id), streamlog.key(request_id, "meta"), worker_id)
+    client.eval(MARK_PREFETCHED, 2, state_key(request_id), streamlog.key(request_id, "meta"), worker_id)
 
 
 def take_over(client, request_id, observed, decided=Verdict.ORPHANED):
@@ -299,7 +299,7 @@ def write_ledger(facts, outcome, provenance):
             _, created = ledger.record_once(facts.request_id, outcome.finish_reason, **fields)
             if pending is not None:
                 if created:
-                    budgets.settle(pending.reservation)
+                    budgets.release(pending.hold)
                 pending.delete()
             return created
     except Exception:  # the client still gets its end; the operator gets the alarm, the sweeper a retry

@@ -109,6 +109,6 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def model():
-    from inference.worker import loops
+    from inference.worker import engines
 
-    return loops.load("smollm2-135m-instruct")
+    return engines.load("smollm2-135m-instruct")

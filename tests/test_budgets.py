@@ -30,7 +30,7 @@ def settled(budget, key, admitted):
 
     def done():
         budget.refresh_from_db()
-        return UsageEntry.objects.filter(api_key=key).count() == admitted and budget.reserved_tokens == 0 and budget
+        return UsageEntry.objects.filter(api_key=key).count() == admitted and budget.held_tokens == 0 and budget
 
     return eventually(done, 30, interval=0.1, message="the holds were not given back")
 

@@ -11,7 +11,7 @@ import pytest
 from django.conf import settings
 
 from inference import streamlog
-from inference.worker import loops
+from inference.worker import beats as worker_beats
 from tests.conftest import separate_service
 
 
@@ -57,13 +57,13 @@ def test_a_starting_worker_forgets_the_beats_of_this_hosts_dead_workers(redis_cl
         f"{host}:{dead.pid}:0ld:cpu:m": "dead",
         f"{host}:{os.getpid()}:0ld:cpu:m": "a restarted container's worker before this one, with the same pid",
         f"{host}:{alive.pid}:0ld:cpu:m": "alive",
-        f"{host}:{os.getpid()}:{loops.BOOT}:cpu:m": "this process's own",
+        f"{host}:{os.getpid()}:{worker_beats.BOOT}:cpu:m": "this process's own",
         f"elsewhere:{dead.pid}:0ld:cpu:m": "other host",
     }
     until = json.dumps({"model": "m", "until": time.time() + 60, "running": 0, "waiting": 0})
     redis_client.hset(streamlog.workers_key(), mapping={field: until for field in beats})
     try:
-        forgotten = loops.forget_stopped_here(redis_client)
+        forgotten = worker_beats.forget_stopped_here(redis_client)
         assert sorted(forgotten) == sorted([f"{host}:{dead.pid}:0ld:cpu:m", f"{host}:{os.getpid()}:0ld:cpu:m"])
         assert set(beats) - set(forgotten) <= set(streamlog.workers(redis_client))
     finally:

@@ -79,11 +79,11 @@ def test_a_take_over_needs_the_state_it_saw(redis_client, queued):
 
 
 def test_a_prefetching_worker_is_named_only_while_queued(redis_client, queued):
-    lifecycle.reserve(redis_client, queued, "w1")
+    lifecycle.mark_prefetched(redis_client, queued, "w1")
     assert redis_client.hget(streamlog.key(queued, "meta"), "worker") == "w1"
     beat(redis_client, "w2", time.time() + 60)
     claim(redis_client, queued, "w2")
-    lifecycle.reserve(redis_client, queued, "w3")
+    lifecycle.mark_prefetched(redis_client, queued, "w3")
     assert redis_client.hget(streamlog.key(queued, "meta"), "worker") == "w2"
 
 

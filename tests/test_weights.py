@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from inference.worker import loops
+from inference.worker import engines
 from inference.worker.engine import formats
 from inference.worker.engine.llama import Int4, Int8, LlamaWeights
 
@@ -15,7 +15,7 @@ from inference.worker.engine.llama import Int4, Int8, LlamaWeights
 def report(model):
     """What the worker's `auto` kept for this machine (measured by whichever came first: this
     test or a worker the suite started)."""
-    path = loops.formats_file(model)
+    path = engines.formats_file(model)
     chosen = formats.chosen(model.model, model.tokenizer, model.device, path)
     return chosen, json.loads(path.read_text())
 
@@ -49,7 +49,7 @@ def test_a_start_reads_the_kept_choice_even_while_both_cores_are_busy(model, rep
     monkeypatch.setattr(formats, "measure", measure)
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        again = formats.chosen(model.model, model.tokenizer, model.device, loops.formats_file(model))
+        again = formats.chosen(model.model, model.tokenizer, model.device, engines.formats_file(model))
     finally:
         for process in busy:
             process.kill()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from inference.worker import loops as worker
+from inference.worker import engines as worker
 from inference.worker.engine import Request, SamplingParams
 from tests.reference import reference
 from tests.sse import MODEL
@@ -41,7 +41,7 @@ def test_each_device_gets_an_engine_and_requests_go_to_the_least_loaded(two_cpu_
 
 def test_a_model_that_cannot_load_fails_the_engine_start_instead_of_hanging_it(settings, monkeypatch):
     # The engine thread loads its own model; what goes wrong there reaches the thread that
-    # started it (the worker then exits: tasks.load_models), and no half-made engine is kept.
+    # started it (the worker then exits: process.load_models), and no half-made engine is kept.
     settings.TOKSTREAM_DTYPE = "no_such_dtype"
     monkeypatch.setattr(worker, "_loops", {})
     with pytest.raises(AttributeError, match="no_such_dtype"):

@@ -14,7 +14,7 @@ def daphne_command(host, port):
 
 
 def worker_command(concurrency, hostname="inference@%h"):
-    # The threads pool: one process, one model in memory, and each task a thread that relays
+    # The threads pool: one process, one model in memory, and each task a thread that streams
     # its request while the engine thread steps every running request.
     return [
         sys.executable, "-m", "celery", "-A", "tokstream_site", "worker",

@@ -1,4 +1,4 @@
-"""Admit a checked chat request: count its prompt, reserve its log, queue it for a worker."""
+"""Admit a checked chat request: count its prompt, hold its budget, write its log's first entry, queue it for a worker."""
 
 import dataclasses
 import time
@@ -100,7 +100,7 @@ def admit(chat, owner):
         enqueue(client, chat, admitted, owner, task)
     except Exception:  # leave nothing half-made
         with transaction.atomic():
-            budgets.settle(pending.reservation)
+            budgets.release(pending.hold)
             pending.delete()
         raise
     return admitted
@@ -116,10 +116,10 @@ def hold_budget(owner, admitted, task):
     completion_tokens = task.max_tokens * admitted.n
     try:
         with transaction.atomic():
-            reservation = budgets.reserve(owner.api_key_id, owner.user_id, admitted.model, admitted.prompt_tokens, completion_tokens)
+            held = budgets.hold(owner.api_key_id, owner.user_id, admitted.model, admitted.prompt_tokens, completion_tokens)
             return PendingRequest.objects.create(
                 request_id=admitted.request_id, keyspace=streamlog.keyspace(), model=admitted.model, api_key_id=owner.api_key_id, user_id=owner.user_id,
-                prompt_tokens=admitted.prompt_tokens, n=admitted.n, received_at=admitted.received_at, reservation=reservation, task=task.as_kwargs(),
+                prompt_tokens=admitted.prompt_tokens, n=admitted.n, received_at=admitted.received_at, hold=held, task=task.as_kwargs(),
             )  # fmt: skip
     except budgets.OverBudget as exc:
         raise ApiError(429, f"You exceeded your budget: {exc}", type="insufficient_quota", code="insufficient_quota") from None

@@ -287,7 +287,7 @@ class SseBody:
             await self.response.end()
 
 
-async def relay_sse(response, client, writer, admitted, last_event_id="", hold=False):
+async def send_sse(response, client, writer, admitted, last_event_id="", hold=False):
     last_id, skip = resume_point(last_event_id) if last_event_id else ("0-0", 0)
     body = SseBody(response, admitted, hold)
     if not hold:
@@ -379,7 +379,7 @@ class ChatCompletions(StreamingApp):
         client = streamlog.async_client()
         writer = ChunkWriter(admitted, chat.include_usage, chat.continuous_usage)
         relayed = backends.of(chat.model).engine is None
-        work = relay_sse(response, client, writer, admitted, hold=relayed) if chat.stream else respond_whole(response, client, admitted)
+        work = send_sse(response, client, writer, admitted, hold=relayed) if chat.stream else respond_whole(response, client, admitted)
         # Counted as a reader, so a resume elsewhere that ends does not cancel this stream.
         left, interrupted = await follow(receive, work, client, admitted.request_id)
         if (left is not None or interrupted or writer.interrupted) and not chat.detach:
@@ -433,7 +433,7 @@ class CompletionEvents(StreamingApp):
             # 204 tells EventSource to stop reconnecting: there is nothing more to send.
             return await response.empty(204)
         writer = resumed_writer(Admitted.from_meta(request_id, meta), meta, owner, resumed=bool(last_id))
-        readers_left, _ = await follow(receive, relay_sse(response, client, writer, writer.admitted, last_id), client, request_id)
+        readers_left, _ = await follow(receive, send_sse(response, client, writer, writer.admitted, last_id), client, request_id)
         if readers_left == 0:
             cancel_unless_followed(client, request_id)
 

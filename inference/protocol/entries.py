@@ -161,7 +161,7 @@ def choice_of(entry):
 @functools.cache
 def layout(kind):
     """(every field's name, the defaults of those that have one) of a kind: read once, since
-    every entry the worker writes and every one a reader relays passes through here."""
+    every entry the worker writes and every one a reader sends passes through here."""
     fields = dataclasses.fields(kind)
     return tuple(f.name for f in fields), {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
 

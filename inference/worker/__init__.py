@@ -1,1 +1,1 @@
-"""The Celery worker: the generate task, the engine loops and sweeper, the upstream relay, and the engine."""
+"""The Celery worker: the generate task, local runs, the engine threads, heartbeats, the sweeper, the process's life, the upstream relay, and the engine."""

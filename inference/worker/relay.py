@@ -2,6 +2,7 @@
 is sent and how it is counted: inference/upstream.py)."""
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -258,3 +259,57 @@ class CancelWatch:
         if self.response is not None:  # a response still streaming ends at its next read too
             with contextlib.suppress(Exception):
                 self.response.close()
+
+
+# -- running and billing one relayed request --------------------------------------------------
+
+
+def run_relayed(client, facts, body, worker_id, max_tokens):
+    """A request for an upstream model: its stream relayed into the log, billed as the
+    upstream's usage says (our count beside it), or by our count as an estimate."""
+    relay = Relay(facts.model, facts.request_id)
+    try:
+        relay.run(client, body, worker_id, max_tokens)
+    except Exception as exc:
+        log.exception("request %s failed", facts.request_id)
+        relay.fail(f"the relay failed: {exc}")
+    finally:
+        counted_prompt = facts.prompt_tokens if relay.sent else 0  # a request the upstream never took costs nothing
+        prompt_tokens, completion_tokens, provenance = upstream_billing(relay, counted_prompt, counted_completion(relay))
+        outcome = lifecycle.Outcome(
+            relay.finish_reason, prompt_tokens, completion_tokens, relay.error, relay.started_at, relay.first_token_at, time.time(), relay.code, relay.refusal
+        )
+        lifecycle.end(client, facts, outcome, [relay.finish_reason], provenance=provenance)
+
+
+def counted_completion(relay):
+    """Our count of the reply; should counting itself fail, the sum of its deltas' counts, so
+    the request still ends, billed, and its client is told."""
+    try:
+        return relay.completion_tokens()
+    except Exception:
+        log.exception("could not count the reply of %s", relay.request_id)
+        return relay.counted
+
+
+def upstream_billing(relay, counted_prompt, counted_completion):
+    """(prompt tokens billed, completion tokens billed, the entry's Provenance): the
+    upstream's usage when it reported it, our count beside it; otherwise our count, marked as
+    an estimate, with nothing to compare it to."""
+    ours = ledger.Provenance(
+        usage_source=upstream.ESTIMATED,
+        model_served=relay.backend.served_model,
+        tokenizer=relay.backend.tokenizer_id(),
+        vendor_request_id=relay.vendor_id,
+        counted_prompt_tokens=counted_prompt,
+        counted_completion_tokens=counted_completion,
+    )
+    reported = upstream.vendor_counts(relay.vendor_usage)
+    if reported is None:
+        return counted_prompt, counted_completion, ours
+    prompt, cached, completion = reported
+    theirs = dataclasses.replace(
+        ours, usage_source=upstream.FROM_UPSTREAM, cached_prompt_tokens=min(cached, prompt),
+        vendor_prompt_tokens=prompt, vendor_cached_prompt_tokens=cached, vendor_completion_tokens=completion,
+    )  # fmt: skip
+    return prompt, completion, theirs

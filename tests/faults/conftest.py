@@ -39,9 +39,9 @@ def holds_back(budget, seconds=30):
 
     def given_back():
         budget.refresh_from_db()
-        return budget.reserved_tokens == 0
+        return budget.held_tokens == 0
 
-    return eventually(given_back, seconds, interval=0.5, message=lambda: f"the budget still holds {budget.reserved_tokens} tokens")
+    return eventually(given_back, seconds, interval=0.5, message=lambda: f"the budget still holds {budget.held_tokens} tokens")
 
 
 def queue_empty(client, model=MODEL):

@@ -14,7 +14,7 @@ from inference.gateway.admission import Admitted, Owner
 from inference.models import PendingRequest
 from inference.protocol.chunks import ChunkWriter
 from inference.protocol.entries import Delta, End, Open
-from inference.worker import loops as worker
+from inference.worker import engines as worker
 from inference.worker import tasks
 from tests.conftest import separate_service
 from tests.faults.conftest import holds_back, rows_for

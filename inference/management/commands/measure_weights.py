@@ -2,7 +2,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from inference import backends
-from inference.worker import loops
+from inference.worker import engines
 from inference.worker.engine import formats
 
 
@@ -18,12 +18,12 @@ class Command(BaseCommand):
         for name in names or weighted:
             if name not in weighted:
                 raise CommandError(f"{name!r} is not a local model with weights; those are: {', '.join(weighted)}")
-            for device in loops.devices():
+            for device in engines.devices():
                 self.measure(name, device, force)
 
     def measure(self, name, device, force):
-        lm = loops.load(name, device)
-        path = loops.formats_file(lm)
+        lm = engines.load(name, device)
+        path = engines.formats_file(lm)
         if force:
             path.unlink(missing_ok=True)
         chosen = formats.chosen(lm.model, lm.tokenizer, lm.device, path)

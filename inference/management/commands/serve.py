@@ -10,9 +10,9 @@ from django.utils.crypto import get_random_string
 
 from tokstream_site import processes
 
-
 WATCH_SECONDS = 0.5  # how often the children are checked: one that exits stops them all
 STOP_GRACE_SECONDS = 10  # a child still running this long after SIGTERM is killed
+
 
 class Command(BaseCommand):
     help = "Run the whole service in the foreground: Redis if none answers, Daphne and a worker."

@@ -94,7 +94,7 @@ class KVCacheManager:
             self.pool.release(table)
         request.beam_tables = tables
         if tables:  # none left: the search is over, and free() gives the reservation back
-            self._settle(request)
+            self._cover_worst_case(request)
         if computed % self.block_size:
             last, taken = computed // self.block_size, set()
             for table in tables:
@@ -102,7 +102,7 @@ class KVCacheManager:
                     table[last] = self._copy_block(request, table[last])
                 taken.add(table[last])
 
-    def _settle(self, request):
+    def _cover_worst_case(self, request):
         """Reserve again what the beams just gave back, so the worst case stays covered."""
         held = len({block for table in request.beam_tables for block in table})
         missing = self.worst_case(request) - held - request.reserved

@@ -2,29 +2,26 @@
 
 Celery tasks submit requests and read their outputs from a queue; the thread steps the engine
 whenever there is work, reads the cancel and steering flags in Redis every SIGNAL_SECONDS (and
-before any waiting prompt is computed), and keeps a heartbeat key alive so /healthz can tell
-that a worker has its model loaded.
+before any waiting prompt is computed), and beats (inference/worker/beats.py) between steps so
+/healthz and the readers can tell that a worker has its model loaded.
 """
 
 import ctypes
 import logging
-import os
 import queue
-import socket
 import threading
 import time
-import uuid
 
 from django.conf import settings
 
 from inference import backends, metrics, registry, streamlog
 from inference.protocol.payloads import holder
+from inference.worker.beats import STOPPED, UpstreamBeat, beat, worker_id
 from inference.worker.engine import Engine, Request, SamplingParams, loader
 from inference.worker.engine.llama import LlamaRunner, drop_model_matrices
 
 log = logging.getLogger(__name__)
 _loops = {}
-BOOT = uuid.uuid4().hex[:8]  # a restarted container may reuse the host name and the pid
 LOST_CLAIM = "The request was taken from this worker (its state was lost or it was ended elsewhere)."
 _loops_lock = threading.Lock()
 _load_lock = threading.Lock()  # transformers' loading is not thread-safe (it patches module globals)
@@ -32,58 +29,6 @@ _load_lock = threading.Lock()  # transformers' loading is not thread-safe (it pa
 # 2-4% of a CPU step (more on a GPU), and a cancel 50 ms late frees its slot soon enough.
 SIGNAL_SECONDS = 0.05
 RETRY_SECONDS = 1  # after a failed iteration (Redis away): try again soon, without spinning
-
-
-STOPPED = threading.Event()  # the worker is shutting down: its engines beat no more
-DRAINING = threading.Event()  # asked to stop: it finishes what it runs and takes nothing new
-
-
-def own_beat(field):
-    return field.startswith(f"{socket.gethostname()}:{os.getpid()}:{BOOT}:")
-
-
-def forget_own_beats(client):
-    """At shutdown: this process serves nothing any more, so /healthz must not count it for
-    the rest of its beats' TTL."""
-    STOPPED.set()
-    return streamlog.forget_workers(client, own_beat)
-
-
-def drain_own_beats(client):
-    """Asked to stop: Celery consumes no more tasks, so admission must send this worker none.
-    Its beats go on, marked draining, for the requests it still runs."""
-    DRAINING.set()
-    return streamlog.drain_workers(client, own_beat)
-
-
-def beat(client, worker_id, model, running=0, waiting=0):
-    streamlog.heartbeat(client, worker_id, model, running, waiting, draining=DRAINING.is_set())
-    if STOPPED.is_set():  # the shutdown removed the beats while this one was on its way
-        forget_own_beats(client)
-
-
-def forget_stopped_here(client):
-    """At start-up: the beats of this host's worker processes that no longer run (one killed
-    before this one started) would keep /healthz answering 200 while this one loads. A
-    restarted container gives its new worker the pid of the old one: a beat with this
-    process's pid and another boot is the dead one's."""
-    host, own = socket.gethostname(), os.getpid()
-
-    def gone(field):
-        name, pid, boot = (field.split(":") + ["", "", ""])[:3]
-        return name == host and boot != BOOT and pid.isdigit() and (int(pid) == own or not process_alive(int(pid)))
-
-    return streamlog.forget_workers(client, gone)
-
-
-def process_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
 
 
 class EngineLoop(threading.Thread):
@@ -100,7 +45,7 @@ class EngineLoop(threading.Thread):
         self.loaded = threading.Event()
         self.failure = None  # why the model could not be loaded
         self.redis = redis_client
-        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{BOOT}:{device}"  # one engine of the process
+        self.worker_id = worker_id(device)
         self.last_beat = self.last_signals = 0.0
         self.reported = {}  # draft counts already added to the metrics
         self.outboxes = {}
@@ -255,36 +200,14 @@ def warm_up(engine):
         engine.step()
 
 
-class UpstreamBeat(threading.Thread):
-    """An upstream model needs no engine, but readers and admission must know that this worker
-    can relay it (and when the worker died): it beats like an engine."""
-
-    def __init__(self, name, redis_client):
-        super().__init__(daemon=True, name=f"upstream-{name}")
-        self.name_of_model = name
-        self.redis = redis_client
-        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{BOOT}:upstream"
-
-    def run(self):
-        while not STOPPED.is_set():
-            try:
-                beat(self.redis, self.worker_id, self.name_of_model)
-            except Exception:  # Redis went away: beat again later
-                log.exception("heartbeat of upstream model %s failed", self.name_of_model)
-            time.sleep(settings.TOKSTREAM_WORKER_TTL / 3)
-
-    def load(self):
-        return 0
-
-
 def start_loops(name):
     """One engine per device (every GPU, with TOKSTREAM_DEVICE=auto): a model small enough
     for one GPU serves from all of them."""
     engine = backends.of(name).engine
     if engine is None:
-        beat = UpstreamBeat(name, streamlog.sync_client())
-        beat.start()
-        return [beat]
+        upstream_beat = UpstreamBeat(name, streamlog.sync_client())
+        upstream_beat.start()
+        return [upstream_beat]
     loops = []
     for device in ["cpu"] if engine == "echo" else devices():
         loops.append(EngineLoop(name, device, streamlog.sync_client()))
@@ -315,31 +238,6 @@ def engine_loop(name):
         return min(_loops[name], key=lambda loop: loop.load())
 
 
-class Sweeper(threading.Thread):
-    """Ends, every so often, the requests nobody else will (inference.lifecycle.sweep)."""
-
-    def __init__(self):
-        super().__init__(daemon=True, name="sweeper")
-
-    def run(self):
-        from django.db import close_old_connections
-
-        from inference import lifecycle
-
-        while True:
-            time.sleep(lifecycle.SWEEP_SECONDS)
-            close_old_connections()
-            try:
-                ended = lifecycle.sweep(streamlog.sync_client())
-                if ended:
-                    log.warning("the sweeper ended %d requests nobody else would", ended)
-            except Exception:  # Redis or the database away: look again later
-                log.exception("sweeping pending requests failed")
-
-
-def reserve(request_id, model):
-    """A task was prefetched: its readers now watch this worker."""
-    from inference import lifecycle
-
-    if model in _loops:
-        lifecycle.reserve(streamlog.sync_client(), request_id, engine_loop(model).worker_id)
+def serves(model):
+    """This process has started the engines (or relay) of `model`."""
+    return model in _loops
