@@ -383,7 +383,7 @@ def usage_in_log(client, request_id):
     produced = {}
     for _, entry in streamlog.read_all(client, request_id):
         if isinstance(entry, Delta):
-            produced[entry.i] = entry.n
+            produced[entry.i] = entry.completion_tokens
     return sum(produced.values())
 
 

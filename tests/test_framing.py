@@ -33,7 +33,7 @@ def test_deltas_in_the_window_are_merged_whole_per_choice_and_in_order(log, sett
     merged = read(admitted)
     assert [(getattr(entry, "text", None), getattr(entry, "i", None)) for _, entry in merged] == [("Hello world", 0), ("¡!", 1), (None, None)]
     assert [entry_id for entry_id, _ in merged] == [ids[3], ids[5], ids[6]]  # a resume from them loses nothing
-    assert merged[0][1].n == 4
+    assert merged[0][1].completion_tokens == 4
 
 
 def test_by_default_every_delta_passes_through(log, settings):

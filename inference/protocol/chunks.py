@@ -61,7 +61,7 @@ class ChunkWriter:
 
     def open_chunk(self, entry):
         """The role of every choice, with our extension: the request's place in the queue."""
-        choices = [{"index": i, "delta": {**self.opening(i), "content": ""}, "logprobs": None, "finish_reason": None} for i in range(entry.n)]
+        choices = [{"index": i, "delta": {**self.opening(i), "content": ""}, "logprobs": None, "finish_reason": None} for i in range(entry.choices)]
         chunk = {**self.chunk(choices), "tokstream": {"queue_position": entry.queue_position}}
         if self.continuous_usage:
             chunk["usage"] = usage_of(self.prompt_tokens, 0)
@@ -75,12 +75,12 @@ class ChunkWriter:
 
     def delta_chunk(self, entry):
         index = entry.i
-        self.produced[index] = entry.n
+        self.produced[index] = entry.completion_tokens
         delta = {**self.opening(index), "content": entry.text}
         logprobs = {"content": entry.logprobs} if entry.logprobs is not None else None
         chunk = self.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
         if self.continuous_usage:  # as vLLM's continuous_usage_stats: the usage so far
-            chunk["usage"] = usage_of(self.prompt_tokens, entry.n)
+            chunk["usage"] = usage_of(self.prompt_tokens, entry.completion_tokens)
         return chunk
 
     def steer_chunk(self, entry):
@@ -101,10 +101,10 @@ class ChunkWriter:
             call = {"index": entry.index, "function": {"arguments": entry.text}}
         index = entry.i
         chunk = self.chunk([{"index": index, "delta": {**self.opening(index), "tool_calls": [call]}, "logprobs": None, "finish_reason": None}])
-        if entry.n is not None:
-            self.produced[index] = entry.n
+        if entry.completion_tokens is not None:
+            self.produced[index] = entry.completion_tokens
             if self.continuous_usage:  # a call's tokens count as they stream, as a text's do
-                chunk["usage"] = usage_of(self.prompt_tokens, entry.n)
+                chunk["usage"] = usage_of(self.prompt_tokens, entry.completion_tokens)
         return chunk
 
     def end_chunks(self, entry):

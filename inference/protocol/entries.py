@@ -4,7 +4,8 @@ here and nowhere else.
 
 On the wire an entry is a JSON object whose "t" names its kind; fields at their default are
 left out (`i`, the choice, is 0 for most). The format is the one logs have always had, so a
-reader of this version reads a log an older worker wrote.
+reader of this version reads a log an older worker wrote: a field renamed since keeps its
+old key (`wire`), as `choices` and `completion_tokens` keep "n".
 """
 
 import dataclasses
@@ -28,7 +29,7 @@ class FinishReason(StrEnum):
 class Open:
     """The first entry: the stream opens with the role of each choice and the queue position."""
 
-    n: int
+    choices: int = field(metadata={"wire": "n"})
     queue_position: int
     t = "open"
 
@@ -38,7 +39,7 @@ class Delta:
     """Text of one choice, and that choice's completion tokens so far."""
 
     text: str
-    n: int
+    completion_tokens: int = field(metadata={"wire": "n"})
     i: int = 0
     logprobs: list | None = None
     t = "delta"
@@ -64,7 +65,7 @@ class ToolStart:
     id: str
     name: str
     i: int = 0
-    n: int | None = None
+    completion_tokens: int | None = field(default=None, metadata={"wire": "n"})
     t = "tool"
 
 
@@ -75,7 +76,7 @@ class ToolArgs:
     index: int
     text: str
     i: int = 0
-    n: int | None = None
+    completion_tokens: int | None = field(default=None, metadata={"wire": "n"})
     t = "args"
 
 
@@ -160,10 +161,10 @@ def choice_of(entry):
 
 @functools.cache
 def layout(kind):
-    """(every field's name, the defaults of those that have one) of a kind: read once, since
-    every entry the worker writes and every one a reader sends passes through here."""
+    """(every field's name and key on the wire, the defaults of those that have one) of a kind:
+    read once, since every entry the worker writes and every one a reader sends passes through here."""
     fields = dataclasses.fields(kind)
-    return tuple(f.name for f in fields), {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+    return tuple((f.name, f.metadata.get("wire", f.name)) for f in fields), {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
 
 
 NESTED = {"usage": Usage, "refusal": Refusal}  # fields that are types of their own, as JSON objects
@@ -171,9 +172,9 @@ NESTED = {"usage": Usage, "refusal": Refusal}  # fields that are types of their 
 
 def to_dict(entry):
     names, defaults = layout(type(entry))
-    values = ((name, getattr(entry, name)) for name in names)
-    kept = {name: value for name, value in values if name not in defaults or value != defaults[name] or name == "usage"}
-    return {"t": entry.t, **{name: value.to_dict() if name in NESTED and value is not None else value for name, value in kept.items()}}
+    values = ((name, wire, getattr(entry, name)) for name, wire in names)
+    kept = [(name, wire, value) for name, wire, value in values if name not in defaults or value != defaults[name] or name == "usage"]
+    return {"t": entry.t, **{wire: value.to_dict() if name in NESTED and value is not None else value for name, wire, value in kept}}
 
 
 def encode(entry):
@@ -188,7 +189,7 @@ def from_dict(data):
     if kind is None:
         return None
     names, _ = layout(kind)
-    fields = {name: value for name, value in data.items() if name in names}
+    fields = {name: data[wire] for name, wire in names if wire in data}
     for name in NESTED.keys() & fields.keys():
         fields[name] = NESTED[name].from_dict(fields[name]) if fields[name] is not None else None
     return kind(**fields)

@@ -168,10 +168,10 @@ class Relay:
         if index not in self.calls:
             self.calls.add(index)
             self.call_text.append(function.get("name", ""))
-            found.append(ToolStart(index, call.get("id", f"call_{index}"), function.get("name", ""), n=self.count(function.get("name", ""))))
+            found.append(ToolStart(index, call.get("id", f"call_{index}"), function.get("name", ""), completion_tokens=self.count(function.get("name", ""))))
         if function.get("arguments"):
             self.call_text.append(function["arguments"])
-            found.append(ToolArgs(index, function["arguments"], n=self.count(function["arguments"])))
+            found.append(ToolArgs(index, function["arguments"], completion_tokens=self.count(function["arguments"])))
         return found
 
     def count(self, text):

@@ -34,7 +34,7 @@ def test_a_task_delivered_again_is_generated_once(live_service, api_key, redis_c
     assert stream.done and stream.error is None
     # One generation, not two interleaved: its deltas count tokens up by one step at a time.
     deltas = [entry for _, entry in streamlog.read_all(redis_client, request_id) if isinstance(entry, Delta)]
-    counts = [delta.n for delta in deltas]
+    counts = [delta.completion_tokens for delta in deltas]
     assert counts == sorted(set(counts)) and counts[-1] == 120
     assert "".join(delta.text for delta in deltas) == stream.text
     [row] = rows_for([request_id], seconds=10)[request_id]
