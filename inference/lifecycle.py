@@ -32,7 +32,7 @@ from billing import budgets, ledger
 from inference import metrics, streamlog
 from inference.models import PendingRequest
 from inference.protocol.entries import Delta, End, FinishReason, Refusal, Usage, encode
-from inference.protocol.payloads import META_FIELDS, RequestMeta, State, holder
+from inference.protocol.payloads import META_FIELDS, Admitted, RequestMeta, State, holder
 from inference.signals import request_finished
 
 log = logging.getLogger(__name__)
@@ -216,31 +216,6 @@ def take_over(client, request_id, observed, decided=Verdict.ORPHANED):
     return apply(client, request_id, observed, decided)
 
 
-@dataclass(frozen=True)
-class Facts:
-    """What billing a request needs, wherever it is read from."""
-
-    request_id: str
-    model: str
-    api_key_id: int | None
-    user_id: int | None
-    received_at: float
-    prompt_tokens: int
-    n: int = 1
-
-    @classmethod
-    def of_task(cls, task):
-        return cls(task.request_id, task.model, task.api_key_id, task.user_id, task.received_at, task.prompt_tokens, task.n)
-
-    @classmethod
-    def of_pending(cls, row):
-        return cls(row.request_id, row.model, row.api_key_id, row.user_id, row.received_at, row.prompt_tokens, row.n)
-
-    @classmethod
-    def of_meta(cls, request_id, meta):
-        return cls(request_id, meta.model, meta.api_key_id, meta.user_id, meta.received_at, meta.prompt_tokens, meta.n)
-
-
 @dataclass
 class Outcome:
     """What the ledger, the end of the log and the metrics all say of one finished request."""
@@ -277,33 +252,39 @@ def unrun(verdict, completion_tokens=0, prompt_tokens=0):
     return Outcome(FinishReason.ERROR, prompt_tokens, completion_tokens, error=MESSAGES[verdict], code=CODES[verdict])
 
 
-def end(client, facts, outcome, finish_reasons=None, gaps=(), provenance=None):
+def end(client, admitted, outcome, finish_reasons=None, gaps=(), provenance=None):
     """End the request once: its ledger entry (with the hold back), then its end entry. What
     follows a ledger row (the metrics, request_finished) follows only the ender that wrote it. A
     cancelled request's entry says who cancelled it (its client is told no error)."""
-    reasons = finish_reasons or [outcome.finish_reason] * facts.n
+    reasons = finish_reasons or [outcome.finish_reason] * admitted.n
     why = outcome.error
     if outcome.finish_reason == FinishReason.CANCELLED and not why:
-        why = cancelled_by(client, facts.request_id)
-    wrote = write_ledger(facts, dataclasses.replace(outcome, error=why), provenance or ledger.Provenance())
-    publish_end(client, facts.request_id, end_entry(reasons, outcome))
+        why = cancelled_by(client, admitted.request_id)
+    wrote = write_ledger(admitted, dataclasses.replace(outcome, error=why), provenance or ledger.Provenance())
+    publish_end(client, admitted.request_id, end_entry(reasons, outcome))
     if wrote:
-        after_end(client, facts, outcome, gaps)
+        after_end(client, admitted, outcome, gaps)
 
 
-def write_ledger(facts, outcome, provenance):
-    fields = {"model": facts.model, "api_key_id": facts.api_key_id, "user_id": facts.user_id, **outcome.ledger_fields(facts.received_at), **provenance.fields()}
+def write_ledger(admitted, outcome, provenance):
+    fields = {
+        "model": admitted.model,
+        "api_key_id": admitted.api_key_id,
+        "user_id": admitted.user_id,
+        **outcome.ledger_fields(admitted.received_at),
+        **provenance.fields(),
+    }
     try:
         with transaction.atomic():
-            pending = PendingRequest.objects.select_for_update().filter(request_id=facts.request_id).first()
-            _, created = ledger.record_once(facts.request_id, outcome.finish_reason, **fields)
+            pending = PendingRequest.objects.select_for_update().filter(request_id=admitted.request_id).first()
+            _, created = ledger.record_once(admitted.request_id, outcome.finish_reason, **fields)
             if pending is not None:
                 if created:
                     budgets.release(pending.hold)
                 pending.delete()
             return created
     except Exception:  # the client still gets its end; the operator gets the alarm, the sweeper a retry
-        log.critical("no ledger entry could be written for request %s", facts.request_id, exc_info=True)
+        log.critical("no ledger entry could be written for request %s", admitted.request_id, exc_info=True)
         return False
 
 
@@ -343,31 +324,31 @@ def retrying(call, attempts=5, pause=1.0):
             time.sleep(pause)
 
 
-def after_end(client, facts, outcome, gaps):
+def after_end(client, admitted, outcome, gaps):
     """What may fail without costing the request its end: the queue, the metrics, and whoever
     listens for request_finished (the chat page)."""
     steps = [
-        lambda: streamlog.leave_queue(client, facts.model, facts.request_id),
-        lambda: record_metrics(client, facts, outcome, gaps),
-        lambda: announce(facts, outcome),
+        lambda: streamlog.leave_queue(client, admitted.model, admitted.request_id),
+        lambda: record_metrics(client, admitted, outcome, gaps),
+        lambda: announce(admitted, outcome),
     ]
     for step in steps:
         try:
             step()
         except Exception:
-            log.warning("after the end of request %s", facts.request_id, exc_info=True)
+            log.warning("after the end of request %s", admitted.request_id, exc_info=True)
 
 
-def announce(facts, outcome):
-    answers = request_finished.send_robust(sender=Facts, request_id=facts.request_id, model=facts.model, finish_reason=outcome.finish_reason)
+def announce(admitted, outcome):
+    answers = request_finished.send_robust(sender=Admitted, request_id=admitted.request_id, model=admitted.model, finish_reason=outcome.finish_reason)
     for receiver, answer in answers:
         if isinstance(answer, Exception):
-            log.warning("request_finished receiver %s failed for %s", receiver, facts.request_id, exc_info=answer)
+            log.warning("request_finished receiver %s failed for %s", receiver, admitted.request_id, exc_info=answer)
 
 
-def record_metrics(client, facts, outcome, gaps):
+def record_metrics(client, admitted, outcome, gaps):
     def since_arrival(moment):
-        return None if moment is None else moment - facts.received_at
+        return None if moment is None else moment - admitted.received_at
 
     timings = {
         "queue_time_seconds": since_arrival(outcome.started_at),
@@ -375,7 +356,7 @@ def record_metrics(client, facts, outcome, gaps):
         "e2e_request_latency_seconds": since_arrival(outcome.finished_at),
     }
     status = str(ledger.STATUS_OF_REASON[outcome.finish_reason])
-    metrics.record_request(client, facts.model, status, timings, list(gaps), outcome.prompt_tokens, outcome.completion_tokens)
+    metrics.record_request(client, admitted.model, status, timings, list(gaps), outcome.prompt_tokens, outcome.completion_tokens)
 
 
 def usage_in_log(client, request_id):
@@ -387,27 +368,27 @@ def usage_in_log(client, request_id):
     return sum(produced.values())
 
 
-def end_abandoned(client, facts, verdict):
+def end_abandoned(client, admitted, verdict):
     """End a request that will not run (more) here: billed from its log, the prompt once a
     worker had claimed it (it was being read). Should that worker be alive after all, the
     cancel flag stops it (a relay checks it; an engine checks its claim too)."""
-    meta = streamlog.load_meta(client, facts.request_id)
+    meta = streamlog.load_meta(client, admitted.request_id)
     ran = meta is not None and meta.ran
-    outcome = unrun(verdict, usage_in_log(client, facts.request_id), facts.prompt_tokens if ran else 0)
+    outcome = unrun(verdict, usage_in_log(client, admitted.request_id), admitted.prompt_tokens if ran else 0)
     if ran:
-        streamlog.cancel(client, facts.request_id, "ended_elsewhere")
-    end(client, facts, outcome, provenance=ledger.Provenance(usage_source="stream_log" if ran else "engine_ids"))
+        streamlog.cancel(client, admitted.request_id, "ended_elsewhere")
+    end(client, admitted, outcome, provenance=ledger.Provenance(usage_source="stream_log" if ran else "engine_ids"))
 
 
-def end_as_logged(client, facts):
+def end_as_logged(client, admitted):
     """A request whose end entry is in its log but whose ledger row was not written (the
     database failed then): the row, from what the end entry says."""
-    end = streamlog.end_of(client, facts.request_id)  # the newest entry only, not the whole log
+    end = streamlog.end_of(client, admitted.request_id)  # the newest entry only, not the whole log
     if end is None:
-        return end_abandoned(client, facts, "orphaned")
+        return end_abandoned(client, admitted, "orphaned")
     outcome = Outcome(worst(end.finish_reasons), end.usage.prompt_tokens, end.usage.completion_tokens, error=end.error or "")
-    if write_ledger(facts, outcome, ledger.Provenance(usage_source="stream_log")):
-        after_end(client, facts, outcome, ())
+    if write_ledger(admitted, outcome, ledger.Provenance(usage_source="stream_log")):
+        after_end(client, admitted, outcome, ())
 
 
 # The ledger has one status per request: with n > 1, the worst of its choices' endings.
@@ -419,13 +400,13 @@ def worst(finish_reasons):
     return next((reason for reason in WORST_FIRST if reason in reasons), "error")
 
 
-def facts_of(client, request_id):
-    """A request's facts from its pending row, else from its metadata; None if both are gone."""
+def admitted_of(client, request_id):
+    """The admitted request, from its pending row, else from its metadata; None if both are gone."""
     row = PendingRequest.objects.filter(request_id=request_id).first()
     if row is not None:
-        return Facts.of_pending(row)
+        return row.admitted()
     meta = streamlog.load_meta(client, request_id)
-    return Facts.of_meta(request_id, meta) if meta else None
+    return meta.admitted(request_id) if meta else None
 
 
 def end_from_reader(request_id, verdict):
@@ -433,9 +414,9 @@ def end_from_reader(request_id, verdict):
     close_old_connections()
     try:
         client = streamlog.sync_client()
-        facts = facts_of(client, request_id)
-        if facts is not None:
-            end_abandoned(client, facts, verdict)
+        admitted = admitted_of(client, request_id)
+        if admitted is not None:
+            end_abandoned(client, admitted, verdict)
     finally:
         close_old_connections()
 
@@ -462,11 +443,11 @@ def sweep(client, limit=500):
         seen = Seen.of(replies[4 * index : 4 * index + 4])
         found = verdict(seen, row.model, time.time())
         if found == Verdict.ENDED:
-            end_as_logged(client, Facts.of_pending(row))
+            end_as_logged(client, row.admitted())
         elif found in (Verdict.ENDING, Verdict.UNSERVED, None):
             continue
         elif seen.state == State.ENDING or take_over(client, row.request_id, seen.state, found):
-            end_abandoned(client, Facts.of_pending(row), found)
+            end_abandoned(client, row.admitted(), found)
         ended += 1
     return ended
 
@@ -477,8 +458,8 @@ def end_if_over(client, request_id, model):
     seen = read(client, request_id)
     found = verdict(seen, model, time.time())
     if found in (Verdict.CANCELLED, Verdict.EXPIRED, Verdict.ORPHANED) and take_over(client, request_id, seen.state, found):
-        facts = facts_of(client, request_id)
-        if facts is not None:
-            end_abandoned(client, facts, found)
+        admitted = admitted_of(client, request_id)
+        if admitted is not None:
+            end_abandoned(client, admitted, found)
         return True
     return False

@@ -3,6 +3,8 @@
 from django.conf import settings
 from django.db import models
 
+from inference.protocol.payloads import Admitted
+
 TITLE_CHARS = 80
 
 
@@ -69,3 +71,6 @@ class PendingRequest(models.Model):
 
     def __str__(self):
         return self.request_id
+
+    def admitted(self):
+        return Admitted(self.request_id, self.model, int(self.received_at), self.prompt_tokens, self.n, self.received_at, self.api_key_id, self.user_id)

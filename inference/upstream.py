@@ -10,6 +10,7 @@ an estimate and nothing was compared.
 """
 
 import json
+from dataclasses import dataclass
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -192,9 +193,18 @@ def completion_estimate(count, text, finish_reason, stop, end_of_turn_counted, s
     return count(text) + (end_of_turn_counted and finish_reason == FinishReason.STOP)
 
 
-def vendor_counts(usage):
-    """(prompt, cached prompt, completion) from an upstream's usage object; None without one,
-    or with counts that are not counts (nothing is billed from a malformed report)."""
+@dataclass(frozen=True)
+class VendorUsage:
+    """The token counts an upstream reported for one request."""
+
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+
+
+def vendor_usage(usage):
+    """The counts in an upstream's usage object, read where it arrives; None without one, or
+    with counts that are not counts (nothing is billed from a malformed report)."""
     if not isinstance(usage, dict):
         return None
     details = usage.get("prompt_tokens_details")
@@ -202,4 +212,4 @@ def vendor_counts(usage):
     counts = (usage.get("prompt_tokens"), cached, usage.get("completion_tokens"))
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
         return None
-    return counts
+    return VendorUsage(*counts)

@@ -3,9 +3,9 @@ reads (a rolling deploy runs both), and what a newer writer adds, this one ignor
 
 import json
 
-from inference.gateway.admission import Admitted
 from inference.protocol.chunks import ChunkWriter
 from inference.protocol.entries import Accepted, Delta, End, Line, Open, Refusal, Steer, ToolArgs, ToolStart, Usage, decode, encode, usage_of
+from inference.protocol.payloads import Admitted
 
 # As the dict-literal writers wrote them before the entries were types.
 OLD_FORMAT = [

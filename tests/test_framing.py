@@ -6,8 +6,8 @@ import pytest
 
 from inference import streamlog
 from inference.gateway import sse
-from inference.gateway.admission import Admitted
 from inference.protocol.entries import Delta, End
+from inference.protocol.payloads import Admitted
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from inference import lifecycle, streamlog
 from inference.gateway import admission
 from inference.models import PendingRequest
 from inference.protocol.entries import Delta, End, Open
-from inference.protocol.payloads import Beat, GenerateTask, RequestMeta
+from inference.protocol.payloads import Admitted, Beat, GenerateTask, RequestMeta
 from inference.signals import request_finished
 from tests import sse
 
@@ -160,12 +160,12 @@ def admitted_unclaimed(model=sse.MODEL):
     model's queue) that no worker has taken yet; (its id, the key's secret)."""
     key, raw = ApiKey.issue("lifecycle")
     owner = admission.Owner.of_key(key)
-    admitted = admission.Admitted(f"chatcmpl-life-{uuid.uuid4().hex}", model, int(time.time()), 7, 1, time.time())
+    admitted = Admitted(f"chatcmpl-life-{uuid.uuid4().hex}", model, int(time.time()), 7, 1, time.time(), key.pk)
     task = GenerateTask(admitted.request_id, model, [1] * 7, {"max_tokens": 20}, admitted.received_at, 7, api_key_id=key.pk)
     admission.hold_budget(owner, admitted, task)
     client = streamlog.sync_client()
     streamlog.join_queue(client, model, admitted.request_id)
-    streamlog.admit(client, admitted.request_id, admitted.meta(owner), Open(1, 0))
+    streamlog.admit(client, admitted.request_id, admission.meta_of(admitted, owner), Open(1, 0))
     return admitted.request_id, raw
 
 
@@ -193,14 +193,14 @@ def test_request_finished_is_sent_once_and_only_after_the_ledger_row(redis_clien
 
     request_finished.connect(receiver, weak=False)
     try:
-        orphan_key = lifecycle.Facts(queued, MODEL, 10**9, None, time.time(), 3)  # a key that is gone: its ledger row fails
+        orphan_key = Admitted(queued, MODEL, int(time.time()), 3, 1, time.time(), api_key_id=10**9)  # a key that is gone: its ledger row fails
         lifecycle.end(redis_client, orphan_key, lifecycle.Outcome("stop", 3, 2))
         assert streamlog.end_of(redis_client, queued) is not None and not UsageEntry.objects.filter(request_id=queued).exists()
         assert heard == []  # no row yet: the chat page must not settle a reply the ledger lacks
-        facts = dataclasses.replace(orphan_key, api_key_id=None)
-        lifecycle.end_as_logged(redis_client, facts)
+        admitted = dataclasses.replace(orphan_key, api_key_id=None)
+        lifecycle.end_as_logged(redis_client, admitted)
         assert heard == [queued] and UsageEntry.objects.get(request_id=queued).completion_tokens == 2
-        lifecycle.end(redis_client, facts, lifecycle.Outcome("stop", 3, 2))  # a second ender
+        lifecycle.end(redis_client, admitted, lifecycle.Outcome("stop", 3, 2))  # a second ender
         assert heard == [queued]
     finally:
         request_finished.disconnect(receiver)

@@ -8,8 +8,9 @@ import pytest
 
 from billing.models import ApiKey, UsageEntry
 from inference import lifecycle, streamlog
-from inference.gateway.admission import Admitted, Owner
+from inference.gateway.admission import Owner, meta_of
 from inference.protocol.entries import Open
+from inference.protocol.payloads import Admitted
 from tests.sse import auth, chat_body, content_of, events, stream_chat
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -108,7 +109,7 @@ def test_a_stream_whose_model_no_worker_serves_ends_with_an_error(live_service, 
     """A worker that died mid-request must not leave its readers waiting for ever."""
     key = ApiKey.authenticate(api_key)
     orphan = Admitted("chatcmpl-orphan", "a-model-no-worker-has", 0, 3, 1, time.time())
-    streamlog.admit(redis_client, orphan.request_id, orphan.meta(Owner(api_key_id=key.pk), include_usage=True), Open(1, 0))
+    streamlog.admit(redis_client, orphan.request_id, meta_of(orphan, Owner(api_key_id=key.pk), include_usage=True), Open(1, 0))
     status, events = replay(live_service, api_key, orphan.request_id)
     assert status == 200
     [(_, opened), (_, error), (_, usage), (_, done)] = events

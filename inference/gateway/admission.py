@@ -15,7 +15,7 @@ from inference.models import PendingRequest
 from inference.protocol.chat_request import checked_max_tokens
 from inference.protocol.entries import Open
 from inference.protocol.errors import ApiError, not_found
-from inference.protocol.payloads import GENERATE, GenerateTask, RequestMeta
+from inference.protocol.payloads import GENERATE, Admitted, GenerateTask, RequestMeta
 from tokstream_site.celery import app
 
 UNSERVED_RETRY_SECONDS = 10  # a stopped worker's replacement has usually loaded by then
@@ -37,25 +37,12 @@ class Owner:
         return f"key:{self.api_key_id}" if self.api_key_id else f"user:{self.user_id}"
 
 
-@dataclass(frozen=True)
-class Admitted:
-    request_id: str
-    model: str
-    created: int
-    prompt_tokens: int
-    n: int = 1
-    received_at: float = 0.0
-
-    def meta(self, owner, include_usage=False, continuous_usage=False):
-        """What Redis keeps of a request beside its log, enough to bill it should its worker die."""
-        return RequestMeta(
-            owner.label, self.model, self.created, self.prompt_tokens, self.received_at, self.received_at + settings.TOKSTREAM_QUEUE_TIMEOUT,
-            self.n, owner.api_key_id, owner.user_id, include_usage, continuous_usage,
-        )  # fmt: skip
-
-    @classmethod
-    def from_meta(cls, request_id, meta):
-        return cls(request_id, meta.model, meta.created, meta.prompt_tokens, meta.n, meta.received_at)
+def meta_of(admitted, owner, include_usage=False, continuous_usage=False):
+    """What Redis keeps of a request beside its log, enough to bill it should its worker die."""
+    return RequestMeta(
+        owner.label, admitted.model, admitted.created, admitted.prompt_tokens, admitted.received_at,
+        admitted.received_at + settings.TOKSTREAM_QUEUE_TIMEOUT, admitted.n, owner.api_key_id, owner.user_id, include_usage, continuous_usage,
+    )  # fmt: skip
 
 
 def owned_meta(meta, owner, request_id):
@@ -93,7 +80,7 @@ def admit(chat, owner):
     client = streamlog.sync_client()
     check_served(client, chat.model)
     limits.check_rate(client, owner, prompt_tokens + max_tokens * chat.n)
-    admitted = Admitted(f"chatcmpl-{uuid.uuid4().hex}", chat.model, int(time.time()), prompt_tokens, chat.n, received_at)
+    admitted = Admitted(f"chatcmpl-{uuid.uuid4().hex}", chat.model, int(time.time()), prompt_tokens, chat.n, received_at, owner.api_key_id, owner.user_id)
     task = task_of(chat, admitted, owner, ids, max_tokens)
     pending = hold_budget(owner, admitted, task)
     try:
@@ -136,14 +123,14 @@ def task_of(chat, admitted, owner, ids, max_tokens):
         n=chat.n,
         tools=bool(chat.tools),
         received_at=admitted.received_at,
-        api_key_id=owner.api_key_id,
-        user_id=owner.user_id,
+        api_key_id=admitted.api_key_id,
+        user_id=admitted.user_id,
     )
 
 
 def enqueue(client, chat, admitted, owner, task):
     position = limits.join_queue(client, chat.model, admitted.request_id)
-    meta = admitted.meta(owner, chat.include_usage, chat.continuous_usage)
+    meta = meta_of(admitted, owner, chat.include_usage, chat.continuous_usage)
     # The stream opens as OpenAI's does, with the role, and says where the request waits.
     opening = Open(chat.n, position)
     try:

@@ -18,7 +18,7 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from inference import backends, lifecycle, streamlog
-from inference.gateway.admission import Admitted, Owner, admit, owned_meta
+from inference.gateway.admission import Owner, admit, owned_meta
 from inference.gateway.auth import key_owner, required_owner
 from inference.protocol import chat_request
 from inference.protocol.chunks import (
@@ -432,7 +432,7 @@ class CompletionEvents(StreamingApp):
         if last_id and await self.seen_the_end(client, request_id, last_id):
             # 204 tells EventSource to stop reconnecting: there is nothing more to send.
             return await response.empty(204)
-        writer = resumed_writer(Admitted.from_meta(request_id, meta), meta, owner, resumed=bool(last_id))
+        writer = resumed_writer(meta.admitted(request_id), meta, owner, resumed=bool(last_id))
         readers_left, _ = await follow(receive, send_sse(response, client, writer, writer.admitted, last_id), client, request_id)
         if readers_left == 0:
             cancel_unless_followed(client, request_id)

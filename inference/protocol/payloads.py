@@ -2,6 +2,9 @@
 gateway sends a worker (`GenerateTask`), a request's metadata and state in Redis (`RequestMeta`,
 `State`), a worker's heartbeat (`Beat`), and how a request samples (`SamplingParams`).
 
+An admitted request has one shape in every process, `Admitted`; the task, the metadata and the
+database's pending row each carry it and give it back (`admitted()`).
+
 The gateway sends the task by name (it never imports the worker); the pending row keeps it, should the
 request need sending again. On the wire it is the task's keyword arguments, a JSON object.
 """
@@ -75,6 +78,10 @@ class GenerateTask:
     def as_kwargs(self):
         return dataclasses.asdict(self)
 
+    def admitted(self):
+        # `created` is the web's, for its chunks: here, the second the request came in.
+        return Admitted(self.request_id, self.model, int(self.received_at), self.prompt_tokens, self.n, self.received_at, self.api_key_id, self.user_id)
+
     @property
     def max_tokens(self):
         return self.params.max_tokens
@@ -86,6 +93,20 @@ def _flag(value):
 
 def _number(kind, value):
     return kind(float(value)) if value not in (None, "") else None
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """One admitted request: what its stream, its ending and its bill need of it."""
+
+    request_id: str
+    model: str
+    created: int  # the chunks' `created`, a whole second (the web reads it from the metadata)
+    prompt_tokens: int  # as billed: the ids the local model reads, or the upstream's count
+    n: int = 1
+    received_at: float = 0.0
+    api_key_id: int | None = None
+    user_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +130,9 @@ class RequestMeta:
     claim: str | None = None  # the token of the claim that took it
     ran: bool = False  # a worker claimed it: its prompt was read
     ending_at: float | None = None  # when its ender took it over
+
+    def admitted(self, request_id):
+        return Admitted(request_id, self.model, self.created, self.prompt_tokens, self.n, self.received_at, self.api_key_id, self.user_id)
 
     def to_redis(self):
         """The hash admission writes: strings, without the fields nobody set."""

@@ -19,21 +19,21 @@ OUTPUT_CHECK_SECONDS = 5  # how often a task waiting on its engine checks the en
 POLL_SECONDS = 1
 
 
-def run_locally(client, loop, facts, prompt_ids, params, tools):
-    requests = choices(facts.request_id, prompt_ids, params, facts.n)
+def run_locally(client, loop, admitted, prompt_ids, params, tools):
+    requests = choices(admitted.request_id, prompt_ids, params, admitted.n)
     gaps = []
     try:
         stream_outputs(loop, requests, client, tools, gaps)
     except Exception as exc:
-        log.exception("request %s failed", facts.request_id)
+        log.exception("request %s failed", admitted.request_id)
         for request in requests:
             if request.finish_reason is None:
                 request.finish_reason, request.error = FinishReason.ERROR, f"generation failed: {exc}"
     finally:
         outcome = outcome_of(requests)
         finish_reasons = [r.finish_reason or FinishReason.ERROR for r in requests]
-        provenance = local_provenance(requests, facts.model, loop.model.tokenizer_id)
-        lifecycle.end(client, facts, outcome, finish_reasons, gaps, provenance)
+        provenance = local_provenance(requests, admitted.model, loop.model.tokenizer_id)
+        lifecycle.end(client, admitted, outcome, finish_reasons, gaps, provenance)
 
 
 def stream_outputs(loop, requests, client, tools=False, gaps=None):

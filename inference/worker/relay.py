@@ -32,7 +32,7 @@ class Relay:
         self.text, self.call_text = [], []
         self.sent = False  # the upstream took the request: from then on its prompt is billed
         self.counted = 0  # completion tokens so far, delta by delta (the end count is exact)
-        self.vendor_usage = None
+        self.vendor_usage = None  # upstream.VendorUsage, from the last chunk that carried usage
         self.vendor_id = ""  # the upstream's id of the request: its invoice lines name it
         self.finish_reason, self.error, self.code, self.refusal = None, "", None, None
         self.started_at = self.first_token_at = None
@@ -139,7 +139,7 @@ class Relay:
             return []  # not a chunk: nothing of the reply is in it
         self.vendor_id = self.vendor_id or str(chunk.get("id") or "")[:100]
         if chunk.get("usage"):
-            self.vendor_usage = chunk["usage"]
+            self.vendor_usage = upstream.vendor_usage(chunk["usage"])
         if error := chunk.get("error"):
             self.fail(f"the upstream failed: {error.get('message', error) if isinstance(error, dict) else error}")
         found = []
@@ -264,22 +264,22 @@ class CancelWatch:
 # -- running and billing one relayed request --------------------------------------------------
 
 
-def run_relayed(client, facts, body, worker_id, max_tokens):
+def run_relayed(client, admitted, body, worker_id, max_tokens):
     """A request for an upstream model: its stream relayed into the log, billed as the
     upstream's usage says (our count beside it), or by our count as an estimate."""
-    relay = Relay(facts.model, facts.request_id)
+    relay = Relay(admitted.model, admitted.request_id)
     try:
         relay.run(client, body, worker_id, max_tokens)
     except Exception as exc:
-        log.exception("request %s failed", facts.request_id)
+        log.exception("request %s failed", admitted.request_id)
         relay.fail(f"the relay failed: {exc}")
     finally:
-        counted_prompt = facts.prompt_tokens if relay.sent else 0  # a request the upstream never took costs nothing
+        counted_prompt = admitted.prompt_tokens if relay.sent else 0  # a request the upstream never took costs nothing
         prompt_tokens, completion_tokens, provenance = upstream_billing(relay, counted_prompt, counted_completion(relay))
         outcome = lifecycle.Outcome(
             relay.finish_reason, prompt_tokens, completion_tokens, relay.error, relay.started_at, relay.first_token_at, time.time(), relay.code, relay.refusal
         )
-        lifecycle.end(client, facts, outcome, [relay.finish_reason], provenance=provenance)
+        lifecycle.end(client, admitted, outcome, [relay.finish_reason], provenance=provenance)
 
 
 def counted_completion(relay):
@@ -304,12 +304,12 @@ def upstream_billing(relay, counted_prompt, counted_completion):
         counted_prompt_tokens=counted_prompt,
         counted_completion_tokens=counted_completion,
     )
-    reported = upstream.vendor_counts(relay.vendor_usage)
+    reported = relay.vendor_usage
     if reported is None:
         return counted_prompt, counted_completion, ours
-    prompt, cached, completion = reported
     theirs = dataclasses.replace(
-        ours, usage_source=upstream.FROM_UPSTREAM, cached_prompt_tokens=min(cached, prompt),
-        vendor_prompt_tokens=prompt, vendor_cached_prompt_tokens=cached, vendor_completion_tokens=completion,
+        ours, usage_source=upstream.FROM_UPSTREAM, cached_prompt_tokens=min(reported.cached_prompt_tokens, reported.prompt_tokens),
+        vendor_prompt_tokens=reported.prompt_tokens, vendor_cached_prompt_tokens=reported.cached_prompt_tokens,
+        vendor_completion_tokens=reported.completion_tokens,
     )  # fmt: skip
-    return prompt, completion, theirs
+    return reported.prompt_tokens, reported.completion_tokens, theirs

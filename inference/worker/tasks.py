@@ -18,7 +18,7 @@ from inference.worker.relay import run_relayed
 @shared_task(name=GENERATE)
 def generate(**fields):
     task = GenerateTask(**fields)
-    facts = lifecycle.Facts.of_task(task)
+    admitted = task.admitted()
     client = streamlog.sync_client()
     loop = engine_loop(task.model)
     relayed = task.upstream_body is not None
@@ -27,7 +27,7 @@ def generate(**fields):
         return  # a second delivery: the first is running it, or it is over
     if verdict != lifecycle.Claim.CLAIMED:
         # Its client left, its deadline passed, Redis lost it, or its worker died: never run.
-        return lifecycle.end_abandoned(client, facts, verdict)
+        return lifecycle.end_abandoned(client, admitted, verdict)
     if relayed:
-        return run_relayed(client, facts, task.upstream_body, loop.worker_id, task.max_tokens)
-    run_locally(client, loop, facts, task.prompt_ids, task.params, task.tools)
+        return run_relayed(client, admitted, task.upstream_body, loop.worker_id, task.max_tokens)
+    run_locally(client, loop, admitted, task.prompt_ids, task.params, task.tools)

@@ -10,10 +10,11 @@ from django.conf import settings
 
 from billing.models import UsageEntry
 from inference import streamlog
-from inference.gateway.admission import Admitted, Owner
+from inference.gateway.admission import Owner, meta_of
 from inference.models import PendingRequest
 from inference.protocol.chunks import ChunkWriter
 from inference.protocol.entries import Delta, End, Open
+from inference.protocol.payloads import Admitted
 from inference.worker import engines as worker
 from inference.worker import tasks
 from tests.conftest import separate_service
@@ -98,7 +99,7 @@ def test_a_generation_that_fails_ends_with_an_error_and_a_failed_row(engine_here
     assert error["error"]["type"] == "server_error" and usage["usage"] == end.usage.to_dict()
     row = UsageEntry.objects.get(request_id=task["request_id"])
     assert row.status == "failed" and "the accelerator fell over" in row.error
-    assert row.prompt_tokens == len(task["prompt_ids"]) and row.completion_tokens == (produced[-1].n if produced else 0) == end.usage.completion_tokens
+    assert row.prompt_tokens == len(task["prompt_ids"]) and row.completion_tokens == (produced[-1].completion_tokens if produced else 0) == end.usage.completion_tokens
     assert not PendingRequest.objects.filter(request_id=task["request_id"]).exists()
 
 
@@ -127,6 +128,6 @@ def admitted_here(tokenizer, content):
         received_at=task["received_at"],
         task=task,
     )
-    meta = Admitted(request_id, MODEL, int(time.time()), len(prompt), 1, task["received_at"]).meta(Owner(api_key_id=key.pk))
+    meta = meta_of(Admitted(request_id, MODEL, int(time.time()), len(prompt), 1, task["received_at"], key.pk), Owner(api_key_id=key.pk))
     streamlog.admit(streamlog.sync_client(), request_id, meta, Open(1, 0))
     return task
