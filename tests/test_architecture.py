@@ -121,3 +121,20 @@ def test_the_engine_reaches_no_django_celery_or_redis():
     for name in engine:
         services = sorted(reachable(graph, name) & SERVICES)
         assert not services, f"{name} reaches {services}"
+
+
+# The engine thread's own module makes Requests (EngineLoop.submit) and steps them; every other
+# reader of the engine sees only its Outputs, so no Celery thread reads or writes a Request the
+# engine thread is changing.
+REQUEST_OWNERS = {"inference.worker.engines"}
+
+
+def names_taken_from_the_engine(path):
+    tree = ast.parse(path.read_text())
+    return {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(ENGINE) for alias in node.names}
+
+
+def test_only_the_engine_and_its_thread_hold_its_requests():
+    modules = project_modules()
+    holders = {name for name, path in modules.items() if not in_folder(name, [ENGINE]) and {"Request", "choices"} & names_taken_from_the_engine(path)}
+    assert holders == REQUEST_OWNERS, f"outside the engine, {sorted(holders - REQUEST_OWNERS)} take its Request"

@@ -3,7 +3,7 @@
 import pytest
 
 from inference.worker import engines as worker
-from inference.worker.engine import Request, SamplingParams
+from inference.worker.engine import SamplingParams
 from tests.reference import reference
 from tests.sse import MODEL
 
@@ -27,15 +27,14 @@ def test_each_device_gets_an_engine_and_requests_go_to_the_least_loaded(two_cpu_
     submitted = []
     for n, prompt in enumerate(prompts):
         loop = worker.engine_loop(MODEL)
-        request = Request(f"r{n}", prompt, SamplingParams(max_tokens=8, temperature=0))
-        submitted.append((loop, request, loop.submit(request)))
+        submitted.append((loop, prompt, loop.submit(f"r{n}", prompt, SamplingParams(max_tokens=8, temperature=0))))
     loops = worker._loops[MODEL]
     assert len(loops) == 2 and loops[0].model.model is not loops[1].model.model
     assert submitted[0][0] is not submitted[1][0]  # the second went to the idle engine
-    for _, request, outbox in submitted:
-        while not outbox.get(timeout=60).finished:
+    for _, prompt, outbox in submitted:
+        while not (output := outbox.get(timeout=60)).finished:
             pass
-        assert request.output_ids == reference(model, request.prompt_ids, 8)
+        assert output.totals.token_ids == reference(model, prompt, 8)
     assert all(loop.load() == 0 for loop in loops)
 
 

@@ -17,7 +17,7 @@ from django.conf import settings
 from inference import backends, metrics, registry, streamlog
 from inference.protocol.payloads import holder
 from inference.worker.beats import STOPPED, UpstreamBeat, beat, worker_id
-from inference.worker.engine import Engine, Request, SamplingParams, loader
+from inference.worker.engine import Engine, Request, SamplingParams, choices, loader
 from inference.worker.engine.llama import LlamaRunner, drop_model_matrices
 
 log = logging.getLogger(__name__)
@@ -62,11 +62,13 @@ class EngineLoop(threading.Thread):
         self.stopping.set()
         self.wake.set()
 
-    def submit(self, *requests, claimed=False):
-        """Queue the choices of one request; their outputs arrive in one outbox, in order. A
-        `claimed` request is stopped should its claim be lost (see apply_signals)."""
+    def submit(self, request_id, prompt_ids, params, n=1, claimed=False):
+        """Queue the `n` choices of one request; their outputs arrive in one outbox, in order
+        (the engine's Requests stay its own: callers read Outputs). A `claimed` request is
+        stopped should its claim be lost (see apply_signals)."""
+        requests = choices(request_id, prompt_ids, params, n)
         if any(request.request_id in self.outboxes for request in requests):
-            raise ValueError(f"request {requests[0].group} is already running here")
+            raise ValueError(f"request {request_id} is already running here")
         outbox = queue.Queue()
         for request in requests:
             self.outboxes[request.request_id] = outbox

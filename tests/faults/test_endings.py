@@ -99,7 +99,10 @@ def test_a_generation_that_fails_ends_with_an_error_and_a_failed_row(engine_here
     assert error["error"]["type"] == "server_error" and usage["usage"] == end.usage.to_dict()
     row = UsageEntry.objects.get(request_id=task["request_id"])
     assert row.status == "failed" and "the accelerator fell over" in row.error
-    assert row.prompt_tokens == len(task["prompt_ids"]) and row.completion_tokens == (produced[-1].completion_tokens if produced else 0) == end.usage.completion_tokens
+    assert (
+        row.prompt_tokens == len(task["prompt_ids"])
+        and row.completion_tokens == (produced[-1].completion_tokens if produced else 0) == end.usage.completion_tokens
+    )
     assert not PendingRequest.objects.filter(request_id=task["request_id"]).exists()
 
 

@@ -3,6 +3,6 @@
 from inference.protocol.payloads import SamplingParams
 
 from .detokenizer import IncrementalDetokenizer
-from .engine import Engine, Output, Request, RequestStatus, choices
+from .engine import Engine, Output, Request, RequestStatus, Totals, choices
 
-__all__ = ["Engine", "IncrementalDetokenizer", "Output", "Request", "RequestStatus", "SamplingParams", "choices"]
+__all__ = ["Engine", "IncrementalDetokenizer", "Output", "Request", "RequestStatus", "SamplingParams", "Totals", "choices"]

@@ -109,8 +109,24 @@ def choices(request_id, prompt_ids, params, n=1):
     ]
 
 
+@dataclass(frozen=True)
+class Totals:
+    """What one finished sequence consumed and produced: its bill is made of these."""
+
+    prefilled: int  # prompt and steering tokens the model consumed (from the prefix cache or computed)
+    cached_tokens: int  # of those, served by the prefix cache
+    steered_tokens: int
+    token_ids: list[int]  # every token it produced
+    started_at: float | None
+    first_token_at: float | None
+    finished_at: float | None
+
+
 @dataclass
 class Output:
+    """What the engine tells of one sequence after a step; the only thing of the engine its
+    callers read (the engine's Requests are its own)."""
+
     request_id: str
     text: str
     completion_tokens: int
@@ -124,6 +140,8 @@ class Output:
     # own prompt is being computed. Only the chat page shows it.
     ahead: int | None = None
     reading: bool = False
+    steered_tokens: int = 0  # steering tokens the sequence took so far
+    totals: Totals | None = None  # with the finished output
 
 
 READING = "reading"
@@ -244,7 +262,7 @@ class Engine:
     def _forward(self, chunks):
         start = time.perf_counter()
         logits = self.runner.forward(chunks)
-        prompt = sum(len(c.token_ids) for c in chunks if len(c.token_ids) > 1 and not c.all_logits)
+        prompt = sum(len(c.token_ids) for c in chunks if len(c.token_ids) > 1 and not c.drafted)
         self.step_cost.add(sum(len(c.token_ids) for c in chunks) - prompt, prompt, time.perf_counter() - start)
         return logits
 
@@ -392,7 +410,7 @@ class Engine:
         """One output per sequence; a beam search's rows go together to its next beam step."""
         outputs, beams, ready, row = [], {}, [], 0
         for request, chunk in scheduled:
-            rows = logits[row : row + (len(chunk.token_ids) if chunk.all_logits else 1)]  # [1 or 1 + draft, V]
+            rows = logits[row : row + chunk.logit_rows()]  # [1 or 1 + draft, V]
             row += len(rows)
             if request.beam_tables:
                 beams.setdefault(request.request_id, (request, []))[1].append(rows[0])
@@ -408,7 +426,7 @@ class Engine:
 
     def _account(self, request, chunk):
         """Count the chunk's prompt tokens in; -> whether the request now takes a token."""
-        end = chunk.start + (1 if chunk.all_logits else len(chunk.token_ids))
+        end = chunk.start + len(chunk.token_ids) - chunk.drafted
         # Tokens computed again after a preemption were consumed once: they count once.
         consumed = request.generated[max(chunk.start, request.recompute_end) : end].count(False)
         request.prefilled += consumed
@@ -422,7 +440,7 @@ class Engine:
 
     def _take_tokens(self, ready):
         """Every sequence's pick of the step, moved to the host in one transfer."""
-        verdicts = [self._verdict(request, chunk, rows) if chunk.all_logits else None for request, chunk, rows in ready]
+        verdicts = [self._verdict(request, chunk, rows) if chunk.drafted else None for request, chunk, rows in ready]
         plain = [i for i, verdict in enumerate(verdicts) if verdict is None]
         for i, pick in zip(plain, self._choose([ready[i] for i in plain])):
             verdicts[i] = pick
@@ -465,7 +483,7 @@ class Engine:
 
     def _verdict(self, request, chunk, rows):
         """A draft's verdict as a tensor on the device (or why it failed: that request ends alone)."""
-        params, draft = request.params, chunk.token_ids[1:]
+        params, draft = request.params, chunk.draft()
         try:
             if params.greedy:
                 return verdict_greedy(rows, params)
@@ -475,7 +493,7 @@ class Engine:
             return exc
 
     def _advance(self, request, chunk, rows, verdict):
-        draft = chunk.token_ids[1:] if chunk.all_logits else []
+        draft = chunk.draft()
         tokens = accepted(verdict, draft, request.params.greedy) if draft else verdict
         if draft:
             request.computed += len(tokens) - 1  # the kept draft tokens' keys and values are cached
@@ -520,8 +538,20 @@ class Engine:
         request.finished_at = self.clock()
         self.kv.free(request)
         text += self.outputs.flush(request)
-        return self._output(request, text, finished=True, finish_reason=reason, error=error)
+        return self._output(request, text, finished=True, finish_reason=reason, error=error, totals=totals_of(request))
 
     @staticmethod
     def _output(request, text="", **fields):
-        return Output(request.request_id, text, len(request.output_ids), index=request.index, **fields)
+        return Output(request.request_id, text, len(request.output_ids), index=request.index, steered_tokens=request.steered_tokens, **fields)
+
+
+def totals_of(request):
+    return Totals(
+        request.prefilled,
+        request.cached_tokens,
+        request.steered_tokens,
+        list(request.output_ids),
+        request.started_at,
+        request.first_token_at,
+        request.finished_at,
+    )

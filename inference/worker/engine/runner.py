@@ -23,7 +23,15 @@ class Chunk:
     start: int  # position of the first of them in the sequence
     blocks: list[int]  # the sequence's block table, long enough for start + len(token_ids)
     request_id: str = ""
-    all_logits: bool = False  # logits after every token, not only the last: a draft to verify
+    all_logits: bool = False  # logits after every token, not only the last (a teacher-forced pass)
+    drafted: int = 0  # the last `drafted` of token_ids are draft tokens to verify: their logits come too
+
+    def draft(self):
+        return self.token_ids[len(self.token_ids) - self.drafted :] if self.drafted else []
+
+    def logit_rows(self):
+        """How many logit rows the pass returns for this chunk: one per token, or the last's."""
+        return len(self.token_ids) if self.all_logits or self.drafted else 1
 
 
 @dataclass
@@ -46,7 +54,7 @@ class AttentionPlan:
         # Plain lists until each tensor is built: reading a number back from a GPU waits for it.
         lengths = [len(c.token_ids) for c in chunks]
         starts = [0, *itertools.accumulate(lengths)]
-        rows = [row for c, start in zip(chunks, starts) for row in (range(start, start + len(c.token_ids)) if c.all_logits else [start + len(c.token_ids) - 1])]
+        rows = [row for c, start in zip(chunks, starts) for row in range(start + len(c.token_ids) - c.logit_rows(), start + len(c.token_ids))]
         self.logit_rows = torch.tensor(rows, device=device)
         self.slots = torch.tensor([slot for c in chunks for slot in self.new_slots(c)], device=device)  # [N]
         one = [i for i, n in enumerate(lengths) if n == 1]

@@ -55,7 +55,7 @@ class Scheduler:
         start = request.computed
         tokens = request.all_ids[start : start + size] + list(draft)
         self.kv.grow(request, request.blocks, start + len(tokens))
-        return Chunk(tokens, start, request.blocks, request.request_id, all_logits=bool(draft))
+        return Chunk(tokens, start, request.blocks, request.request_id, drafted=len(draft))
 
     def draft(self, request, budget, decoding):
         """Draft tokens to verify with the request's next token, within its reservation, when
