@@ -42,7 +42,10 @@ def worker_figures(streams, tokens, sampled=False):
     django.setup()
     from django.conf import settings
 
-    from inference.worker import engines
+    try:
+        from inference.worker import engines
+    except ImportError:  # a tree from before worker/loops.py was split
+        from inference.worker import loops as engines
 
     name = next(n for n, entry in settings.TOKSTREAM_MODELS.items() if entry["source"].startswith("package:"))  # the shipped model
     engine = engines.build_engine(engines.load(name))

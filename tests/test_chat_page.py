@@ -262,7 +262,9 @@ def test_steering_marks_where_the_instruction_took_effect(browser):
     assert entry.steering_tokens > 0
     # The turn is settled, its steering with it, on request_finished: after the ledger entry.
     turn = eventually(lambda: Turn.objects.exclude(finish_reason="").filter(role="assistant").first(), 15, message="the reply's turn was not settled")
-    assert turn.steering[0]["text"] == " Then a storm came." and 0 < turn.steering[0]["at"] < len(turn.content)
+    # The page samples (temperature 0.3, no seed) and the steering lands where the stream is: the
+    # reply may end right after it (seen once in CI: "The lighthouse keeper's" + mark, then EOS).
+    assert turn.steering[0]["text"] == " Then a storm came." and 0 < turn.steering[0]["at"] <= len(turn.content)
 
 
 def test_a_cut_connection_resumes_the_same_reply_without_a_gap_or_a_repeat(live_service, transactional_db, new_page, api_key):
