@@ -81,7 +81,7 @@ def decoding_engine(lm, fmt, size):
     engine = Engine.for_model(lm, 48_000, max_running=size, weights=fmt)
     params = SamplingParams(max_tokens=4096, temperature=0, logit_bias=NO_STOP, speculative=False)
     engine.add(*[Request(f"r{i}", p, params) for i, p in enumerate(prompts)])
-    while engine.waiting or any(r.first_token_at is None for r in engine.running):
+    while engine.load()[1] or any(r.first_token_at is None for r in engine.scheduler.running):
         engine.step()
     return engine
 

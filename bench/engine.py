@@ -107,7 +107,7 @@ def engine_decoding(lm, batch, steps, **options):
     """Tokens/s of steps in which every request decodes: the figure to hold against (b); and
     the mean context length then, for (b) to decode at."""
     engine, requests = start_all(lm, batch, 1024, **options)
-    while engine.waiting or any(r.first_token_at is None for r in requests):
+    while engine.load()[1] or any(r.first_token_at is None for r in requests):
         engine.step()
     context = statistics.mean(len(r.all_ids) for r in requests) + steps / 2
     before = sum(len(r.output_ids) for r in requests)
@@ -178,7 +178,7 @@ def join_busy_batch(lm, batch, tokens):
     engine = make_engine(lm, max_running=len(batch) + 1)
     for n, prompt in enumerate(batch):
         engine.add(Request(f"r{n}", prompt, SamplingParams(max_tokens=tokens, temperature=0, logit_bias=NO_STOP)))
-    while engine.waiting or any(r.first_token_at is None for r in engine.running):
+    while engine.load()[1] or any(r.first_token_at is None for r in engine.scheduler.running):
         engine.step()  # every one of them decoding
     steps = []
     for _ in range(3):
@@ -202,7 +202,7 @@ def join_busy_batch(lm, batch, tokens):
 def gap_during_long_prefill(lm, batch, prompt_tokens=4000):
     """Inter-token gap of 8 decoding streams before and while a 4,000-token prompt prefills."""
     engine, requests = start_all(lm, batch[:8], 2_000)
-    while engine.waiting or any(r.first_token_at is None for r in requests):
+    while engine.load()[1] or any(r.first_token_at is None for r in requests):
         engine.step()
     usual = timed_steps(engine, 8)
     long = Request("long", [100] * prompt_tokens, SamplingParams(max_tokens=1, temperature=0))

@@ -87,7 +87,7 @@ def test_a_cancel_takes_effect_at_the_next_step_and_frees_the_slot_and_cache(tok
     [cancelled] = [o for o in outputs if o.request_id == "a"]
     assert cancelled.finished and cancelled.finish_reason == "cancelled"
     assert cancelled.completion_tokens == 2  # nothing was generated after the cancel
-    assert [r.request_id for r in engine.running] == ["b"]  # b took the freed slot
+    assert [r.request_id for r in engine.scheduler.running] == ["b"]  # b took the freed slot
     run(engine)
     assert engine.pool.available() == free_before
 
@@ -127,7 +127,7 @@ def test_a_prompt_that_cannot_fit_waits_and_a_request_that_never_can_is_refused(
     engine.add(Request("a", [5], SamplingParams(max_tokens=30, **GREEDY)))  # 1 block now, 2 later
     engine.add(Request("b", [6] * 33, SamplingParams(max_tokens=3, **GREEDY)))  # 3 blocks for its prompt: must wait
     engine.step()
-    assert [r.request_id for r in engine.running] == ["a"] and engine.waiting[0].request_id == "b"
+    assert [r.request_id for r in engine.scheduler.running] == ["a"] and engine.scheduler.waiting[0].request_id == "b"
     outputs = run(engine)
     assert text_of(outputs, "b") == " y" * 3  # ran once a finished and gave its blocks back
     engine.add(Request("huge", [7], SamplingParams(max_tokens=10**6, **GREEDY)))
@@ -144,7 +144,7 @@ def test_requests_take_blocks_as_they_grow_so_more_run_than_their_worst_cases_al
     engine.pool.reserve(engine.pool.available() - 16)  # 16 blocks; each worst case is 60 tokens: 4 blocks
     engine.add(*[Request(name, [5] * 10, SamplingParams(max_tokens=50, **GREEDY)) for name in scripts])
     outputs = engine.step()
-    assert len(engine.running) == 8  # a block each to start, and one left for each to grow into; at their worst case, 4
+    assert len(engine.scheduler.running) == 8  # a block each to start, and one left for each to grow into; at their worst case, 4
     outputs += run(engine)
     assert all(text_of(outputs, name) == " x" * 6 for name in scripts) and not engine.stats["preemptions"]
 

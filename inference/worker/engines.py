@@ -108,14 +108,14 @@ class EngineLoop(threading.Thread):
             self.wake.wait(timeout=settings.TOKSTREAM_WORKER_TTL / 3)
             self.wake.clear()
             return
-        if self.engine.waiting or time.monotonic() - self.last_signals >= SIGNAL_SECONDS:  # a cancelled prompt is never computed
+        if self.engine.load()[1] or time.monotonic() - self.last_signals >= SIGNAL_SECONDS:  # a cancelled prompt is never computed
             self.last_signals = time.monotonic()
             self.apply_signals()
         self.deliver(self.step())
 
     def heartbeat(self):
         if not STOPPED.is_set() and time.monotonic() - self.last_beat >= settings.TOKSTREAM_WORKER_TTL / 3:
-            beat(self.redis, self.worker_id, self.model.name, len(self.engine.running), len(self.engine.waiting))
+            beat(self.redis, self.worker_id, self.model.name, *self.engine.load())
             self.last_beat = time.monotonic()
             self.report_drafts()
 

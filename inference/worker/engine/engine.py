@@ -1,11 +1,13 @@
-"""The engine in the shape of vLLM v1: a waiting queue, a running set, and step().
+"""The engine in the shape of vLLM v1's EngineCore: other threads hand it requests, cancels
+and steering; step() runs on its own thread.
 
-One step applies cancellations and steering, admits waiting requests whose prompt fits the
-KV cache (kv_manager.py holds every reservation), schedules one chunk per running request
-(scheduler.py: one token for a decoding request, with prompt-lookup drafts to verify where they
-pay; a piece of its prompt for a prefilling one, under the budget of budget.py), runs one batched forward
-pass (llama.py), chooses every sequence's token together (sampling.choose) and moves them to the
-host in one transfer, and turns each new
+One step takes the new requests into the scheduler's line, applies cancellations and
+steering, asks the scheduler (scheduler.py, which owns the waiting and running queues) for
+this step's chunks: room made and the line's head admitted while its prompt fits the KV cache
+(kv_manager.py holds every reservation), one token for a decoding request, with prompt-lookup
+drafts to verify where they pay, a piece of its prompt for a prefilling one under the budget
+of budget.py. It runs one batched forward pass (llama.py), chooses every sequence's token
+together (sampling.choose) and moves them to the host in one transfer, and turns each new
 token into text and endings (output_processor.py): one Output per request that produced text
 or finished.
 """
@@ -13,9 +15,8 @@ or finished.
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field, replace
-from enum import Enum
 
 import torch
 
@@ -33,16 +34,10 @@ from .kv_manager import KVCacheManager
 from .llama import LlamaRunner
 from .output_processor import OutputProcessor
 from .sampling import NO_TOKEN, adjusted, choose, make_generator, processed
-from .scheduler import DRAFT_LENGTH, Scheduler
+from .scheduler import RequestStatus, Scheduler
 from .speculative import Drafter, accepted, verdict_greedy, verdict_sampled
 
 log = logging.getLogger(__name__)
-
-
-class RequestStatus(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 @dataclass
@@ -180,15 +175,14 @@ class Engine:
         self.tokenizer = tokenizer
         self.stop_ids = frozenset(stop_ids)
         self.context_length = context_length
-        self.max_running = max_running
         self.clock = clock
         self.tells_places = tells_places  # outputs that say where a request stands before its first token
-        self.waiting = deque()
-        self.running = []
         self.stats = Counter()  # computed_prompt_tokens, cached_prompt_tokens, steps, ...
         self.step_cost = StepCost()
         verifies = getattr(runner, "verifies_drafts", False)
-        self.scheduler = Scheduler(self.kv, self.step_cost, context_length, step_tokens, idle_chunk, clock, verifies)
+        self.scheduler = Scheduler(self.kv, self.step_cost, self.stats, context_length, max_running, step_tokens, idle_chunk, clock, verifies)
+        # Handed over by other threads, taken by the engine's at the next step boundary.
+        self._arrived = []
         self._cancelled = {}  # request id -> None (the client's cancel) or why it failed
         self._steers = []
         self._lock = threading.Lock()
@@ -200,7 +194,7 @@ class Engine:
         for request in requests:
             request.arrived_at = request.arrived_at or now
         with self._lock:
-            self.waiting.extend(requests)
+            self._arrived.extend(requests)
 
     def cancel(self, request_id, error=None):
         """Takes effect at the next step boundary, for every choice of the request; with an
@@ -213,21 +207,29 @@ class Engine:
         with self._lock:
             self._steers.append((request_id, text))
 
+    # -- called from the engine's thread ---------------------------------------------------
+
     def live_ids(self):
         """The live requests' ids (the group's, for n > 1)."""
         with self._lock:
-            return list(dict.fromkeys(r.group for r in (*self.waiting, *self.running)))
+            live = [*self.scheduler.requests(), *self._arrived]
+        return list(dict.fromkeys(r.group for r in live))
 
     def has_work(self):
-        return bool(self.waiting or self.running)
+        return bool(self._arrived or self.scheduler.has_work())
+
+    def load(self):
+        """(running, waiting): how many sequences decode and how many wait in line."""
+        return len(self.scheduler.running), len(self.scheduler.waiting) + len(self._arrived)
 
     # -- the step -----------------------------------------------------------------------
 
     def step(self):
-        outputs = self._apply_cancels()
-        self._drop_finished()
-        outputs += self._apply_steers() + self._make_room() + self._admit()
-        scheduled = self.scheduler.schedule(self.running)
+        self._take_arrivals()
+        outputs = self._apply_cancels() + self._apply_steers()
+        plan = self.scheduler.schedule()
+        outputs += [self._finish(request, FinishReason.ERROR, error=why) for request, why in plan.failed]
+        scheduled = plan.scheduled
         if self.tells_places:
             outputs += self._tell_places(scheduled)
         if scheduled:
@@ -237,7 +239,7 @@ class Engine:
             except Exception as exc:  # the model failed: end every live request, keep what ended before
                 log.exception("engine step failed")
                 outputs += self.fail_all(f"generation failed: {exc}")
-        self._drop_finished()
+        self.scheduler.drop_finished()
         return [o for o in outputs if o and (o.text or o.finished or o.steered or o.logprobs or o.error or o.ahead is not None or o.reading)]
 
     def _tell_places(self, scheduled):
@@ -245,10 +247,8 @@ class Engine:
         in line before it (running ones whose prompts are being read, then the queue), or that
         its own prompt is being read. A request's later choices follow its first and say nothing."""
         computing = {id(request) for request, _ in scheduled}
-        with self._lock:
-            line = [*self.running, *self.waiting]
         outputs, ahead = [], 0
-        for request in line:
+        for request in self.scheduler.requests():
             if request.index or request.first_token_at is not None or request.beam_tables:
                 continue
             running = request.status is RequestStatus.RUNNING
@@ -266,24 +266,27 @@ class Engine:
         self.step_cost.add(sum(len(c.token_ids) for c in chunks) - prompt, prompt, time.perf_counter() - start)
         return logits
 
-    def _drop_finished(self):
-        self.running = [r for r in self.running if r.status is not RequestStatus.FINISHED]
-
     def fail_all(self, message):
         """The forward pass failed: end every live request rather than hang them."""
-        self._drop_finished()  # those already ended keep their own ending
+        self.scheduler.drop_finished()  # those already ended keep their own ending
         with self._lock:
-            failed, self.waiting = [*self.running, *self.waiting], deque()
-        self.running = []
+            arrived, self._arrived = self._arrived, []
+        failed = [*self.scheduler.remove_all(), *arrived]
         return [self._finish(r, FinishReason.ERROR, error=message) for r in failed]
+
+    def _take_arrivals(self):
+        """New requests join the line, set up to produce text (vLLM's EngineCore.add_request)."""
+        with self._lock:
+            arrived, self._arrived = self._arrived, []
+        for request in arrived:
+            self._begin(request)
+        self.scheduler.add(arrived)
 
     def _apply_cancels(self):
         with self._lock:
             cancelled, self._cancelled = self._cancelled, {}
-            waiting = [r for r in self.waiting if r.group in cancelled]
-            self.waiting = deque(r for r in self.waiting if r.group not in cancelled)
-        running = [r for r in self.running if r.group in cancelled]
-        return [self._end_cancelled(r, cancelled[r.group]) for r in (*waiting, *running)]
+        taken = self.scheduler.remove(cancelled) if cancelled else []
+        return [self._end_cancelled(r, cancelled[r.group]) for r in taken]
 
     def _end_cancelled(self, request, error):
         return self._finish(request, FinishReason.CANCELLED) if error is None else self._finish(request, FinishReason.ERROR, error=error)
@@ -293,12 +296,12 @@ class Engine:
         it starts (a choice waiting for its leader, a request waiting for room)."""
         with self._lock:
             steers, self._steers = self._steers, []
-            for request_id, text in steers:
-                for request in (*self.waiting, *self.running):
-                    if request.group == request_id and request.status is not RequestStatus.FINISHED:
-                        request.pending_steers.append(text)
+        for request_id, text in steers:
+            for request in self.scheduler.requests():
+                if request.group == request_id and request.status is not RequestStatus.FINISHED:
+                    request.pending_steers.append(text)
         outputs = []
-        for request in self.running:
+        for request in self.scheduler.running:
             texts, request.pending_steers = request.pending_steers, []
             outputs += [self._inject(request, text) for text in texts]
         return outputs
@@ -315,90 +318,8 @@ class Engine:
         request.steered_tokens += len(ids)
         return self._output(request, steered=text)
 
-    def _make_room(self):
-        """Blocks for every running sequence's next step, drafts included. Where the cache has
-        none left, the request that started last gives its blocks back and waits at the head
-        of the queue to be computed again (vLLM's preemption by recompute): its keys and values
-        come out the same (one numeric path), so its reply does not change; only its time does.
-        A request that would have to preempt itself while alone fails rather than spin."""
-        outputs = []
-        for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING or request.beam is not None:  # preempted, failed, or a beam search (its worst case is held)
-                continue
-            while not self.kv.top_up(request, self._next_step_tokens(request)):
-                victim = next(r for r in reversed(self.running) if r.beam is None)
-                if victim is request and len(self.running) == 1:
-                    outputs.append(self._finish(request, FinishReason.ERROR, error="the KV cache ran out: raise TOKSTREAM_KV_CACHE_MB"))
-                    self.running.remove(request)  # not to be scheduled this step
-                    break
-                self._preempt(victim)
-                if victim is request:
-                    break
-        return outputs
-
-    def _next_step_tokens(self, request):
-        """Tokens the sequence holds after its next step: its pending ones and, once it decodes,
-        room for drafts (never beyond its worst case)."""
-        if request.pending() > 1:
-            return len(request.all_ids)
-        limit = len(request.all_ids) - len(request.output_ids) + request.params.max_tokens
-        return min(len(request.all_ids) + DRAFT_LENGTH, limit, self.context_length)
-
-    def _preempt(self, request):
-        self.kv.free(request)  # its full computed blocks stay in the prefix cache: the recompute may find them
-        request.recompute_end = max(request.recompute_end, request.computed)
-        request.computed = 0
-        request.status = RequestStatus.WAITING
-        request.preemptions += 1
-        self.stats["preemptions"] += 1
-        self.running.remove(request)
-        with self._lock:
-            self.waiting.appendleft(request)
-
-    def _admit(self):
-        """Start waiting requests, first come first served; returns those that can never fit."""
-        refused = []
-        while self.waiting and len(self.running) < self.max_running:
-            request = self.waiting[0]
-            problem = self._never_fits(request)
-            if not problem and (request.waits_for_leader() or not self._reserve(request)):
-                break  # the head waits: for its worst case to fit, or for its leader's prompt
-            with self._lock:
-                self.waiting.popleft()
-            if problem:
-                refused.append(self._finish(request, FinishReason.ERROR, error=problem))
-            else:
-                self._start(request)
-        return refused
-
-    def _never_fits(self, request):
-        if not request.prompt_ids:
-            return "the prompt is empty"
-        if len(request.prompt_ids) >= self.context_length:
-            return "the prompt fills the whole context"
-        if self.kv.never_fits(request):
-            return "the request is larger than the whole KV cache"
-        return None
-
-    def _reserve(self, request):
-        """Blocks for the request now, leaving a block for each running sequence to grow into."""
-        if not self.kv.admit(request, headroom=len(self.running)):
-            return False
-        if not request.preemptions:
-            request.cached_tokens = request.prefilled = request.computed
-            self.stats["cached_prompt_tokens"] += request.cached_tokens
-        return True
-
-    def _start(self, request):
-        request.status = RequestStatus.RUNNING
-        if not request.preemptions:  # a preempted one keeps its sequence, its text so far and its generator
-            self._begin(request)
-        self.running.append(request)
-
     def _begin(self, request):
-        request.started_at = self.clock()
-        request.all_ids = list(request.prompt_ids)
-        request.generated = [False] * len(request.prompt_ids)
+        """What a new request needs to produce text; its place in the sequence is the scheduler's."""
         self.outputs.start(request)
         request.generator = make_generator(request.params.seed, self.runner.device)
         if request.params.beam_width > 1:
