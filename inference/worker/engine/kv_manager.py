@@ -3,7 +3,7 @@
 A request takes blocks as it grows: its prompt's when it is admitted, then a block at a time
 as it decodes (`top_up` before each step, with room for drafts). When the cache has none left,
 the engine preempts the request that started last: it gives its blocks back and waits to be
-computed again (engine.py). A beam search still reserves its worst case when admitted (the
+computed again (scheduler.py). A beam search still reserves its worst case when admitted (the
 prompt's full blocks once and the rest per beam), since its beams fork and share blocks as
 they go; steering reserves its own (`reserve_steering`), beams fork by sharing blocks and
 copying the last partial one (`fork`), and `free` gives everything back, keeping the full
