@@ -228,7 +228,7 @@ def memory_with_long_sequences(lm, count=32, length=2000):
     for n in range(count):
         engine.add(Request(f"m{n}", prompt, SamplingParams(max_tokens=8, temperature=0, logit_bias=NO_STOP)))
     run(engine)
-    kv_bytes = engine.pool.k.numel() * engine.pool.k.element_size() * 2
+    kv_bytes = engine.pool.nbytes()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, kv_bytes
 
 

@@ -7,9 +7,11 @@
 Needs no Django, Celery or Redis, and no weights: the models are random-initialised from the
 shipped model's config (SmolLM2-135M) and from a Llama config of about 1B parameters; the
 figures do not depend on the values. The text is never shown, so token ids stand in for a
-tokenizer. Prints, per model: whether greedy decoding equals `generate` (float32), then tokens
-per second at 1, 32, 128 and 256 concurrent sequences for the engine (bfloat16 on CUDA),
-sequential `generate`, and the bare batched loop of transformers, and peak GPU memory.
+tokenizer. Prints, per model: whether greedy decoding equals `generate` (float32), eager and
+compiled; then tokens per second at 1, 32, 128 and 256 concurrent sequences for the engine
+(bfloat16 on CUDA), eager and compiled (compiled.py: CUDA graphs, one per bucket of sizes),
+sequential `generate`, and the bare batched loop of transformers, and peak GPU memory. The CPU
+mode pads its compiled steps to the same buckets, so the bucket code runs before a GPU does.
 """
 
 import argparse
@@ -23,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from inference.worker.engine import Engine, Request, SamplingParams  # noqa: E402
+from inference.worker.engine import Engine, Request, SamplingParams, compiled  # noqa: E402
 from inference.worker.engine.loader import LoadedModel  # noqa: E402
 
 SMOLLM2 = dict(
@@ -65,25 +67,43 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def greedy_equal(lm, batch, tokens):
-    """How many of `batch` prompts decode to exactly what `generate` gives."""
-    engine = Engine.for_model(lm, 16384, weights="float32")
+def engine_of(lm, cache_tokens, compile, **options):
+    """The engine, eager or compiled; compiled steps padded to CUDA graphs' buckets on any device."""
+    engine = Engine.for_model(lm, cache_tokens, **options)
+    if compile:
+        start = time.perf_counter()
+        engine.runner.compiled = compiled.start(engine.runner, bucketed=True)
+        if engine.runner.compiled is None:
+            raise RuntimeError("the compiled step failed: see the log line above")
+        print(f"  compiled step ready in {time.perf_counter() - start:.1f} s", flush=True)
+    return engine
+
+
+def greedy_outputs(lm, batch, tokens, compile):
+    engine = engine_of(lm, 16384, compile, weights="float32")
     requests = [Request(str(n), p, SamplingParams(max_tokens=tokens, temperature=0, speculative=False)) for n, p in enumerate(batch)]
     engine.add(*requests)
     while engine.has_work():
         engine.step()
+    return [request.output_ids for request in requests]
+
+
+def greedy_equal(lm, batch, tokens):
+    """(How many of `batch` prompts the eager engine decodes to exactly what `generate` gives,
+    how many the compiled engine decodes to what the eager one gives)."""
+    eager = greedy_outputs(lm, batch, tokens, compile=False)
     same = 0
-    for request in requests:
-        ids = torch.tensor([request.prompt_ids], device=lm.device)
+    for prompt, output in zip(batch, eager):
+        ids = torch.tensor([prompt], device=lm.device)
         reference = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
-        same += request.output_ids == reference[0, ids.shape[1] :].tolist()
-    return same
+        same += output == reference[0, ids.shape[1] :].tolist()
+    return same, sum(a == b for a, b in zip(greedy_outputs(lm, batch, tokens, compile=True), eager))
 
 
-def engine_rate(lm, batch, tokens):
+def engine_rate(lm, batch, tokens, compile):
     """Tokens/s over steps in which every sequence decodes (prefill excluded, as for the loops)."""
     own = str(lm.model.dtype).removeprefix("torch.")  # what `auto` takes on CUDA; on the CPU, no measuring
-    engine = Engine.for_model(lm, len(batch) * (128 + tokens + 32), max_running=len(batch), weights=own)
+    engine = engine_of(lm, len(batch) * (128 + tokens + 32), compile, max_running=len(batch), weights=own)
     params = SamplingParams(max_tokens=tokens + 8, temperature=0, speculative=False)
     requests = [Request(str(n), p, params) for n, p in enumerate(batch)]
     engine.add(*requests)
@@ -126,7 +146,8 @@ def report(name, shape, device, sizes, tokens):
     generator = torch.Generator().manual_seed(1)
     exact = build(shape, device, torch.float32)
     batch = prompts(4, shape["vocab_size"], generator)
-    print(f"{name}: greedy (float32) equals generate for {greedy_equal(exact, batch, 32)} of {len(batch)} prompts", flush=True)
+    eager, compiled_ = greedy_equal(exact, batch, 32)
+    print(f"{name}: greedy (float32) equals generate for {eager} of {len(batch)} prompts; compiled equals eager for {compiled_} of {len(batch)}", flush=True)
     del exact
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lm = build(shape, device, dtype)
@@ -135,13 +156,14 @@ def report(name, shape, device, sizes, tokens):
     for size in sizes:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        rate = engine_rate(lm, prompts(size, shape["vocab_size"], generator), tokens)
+        batch = prompts(size, shape["vocab_size"], generator)
+        rates = {compile: engine_rate(lm, batch, tokens, compile) for compile in (False, True)}
         peak = f", peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if device.type == "cuda" else ""
         bare = bare_rate(lm, size, tokens)
-        print(
-            f"{name} batch {size:3d}: engine {rate:8.1f} tok/s = x{rate / sequential:6.2f} of generate, x{rate / bare:4.2f} of the bare loop ({bare:8.1f} tok/s){peak}",
-            flush=True,
-        )
+        ratios = {
+            compile: f"{rate:8.1f} tok/s = x{rate / sequential:6.2f} of generate, x{rate / bare:4.2f} of the bare loop" for compile, rate in rates.items()
+        }
+        print(f"{name} batch {size:3d}: engine {ratios[False]}; compiled {ratios[True]} (bare loop {bare:8.1f} tok/s){peak}", flush=True)
 
 
 def main():

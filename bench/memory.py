@@ -53,13 +53,16 @@ def worker_figures(streams, tokens, sampled=False):
     one = tokens_per_second(engine, 1, tokens, sampled)
     many = tokens_per_second(engine, streams, tokens, sampled)
     pool = engine.pool
-    cache_mb = (pool.k.numel() + pool.v.numel()) * pool.k.element_size() // 2**20
+    if isinstance(pool.k, list):  # one tensor per layer
+        cache_mb, kv_dtype = pool.nbytes() // 2**20, pool.dtype
+    else:  # a tree from before the compiled step: one tensor for every layer
+        cache_mb, kv_dtype = (pool.k.numel() + pool.v.numel()) * pool.k.element_size() // 2**20, pool.k.dtype
     return {
         **started,
         "resident after the streams MB": status_mb("VmRSS"),
         "peak MB": status_mb("VmHWM"),
         "KV cache MB": cache_mb,
-        "KV dtype": str(pool.k.dtype),
+        "KV dtype": str(kv_dtype),
         "preemptions": engine.stats["preemptions"],
         "tokens/s, 1 stream": round(one, 1),
         f"tokens/s, {streams} streams": round(many, 1),

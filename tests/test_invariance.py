@@ -1,10 +1,11 @@
-"""A position's logits are a function of its sequence alone: the same whatever it travels in."""
+"""A position's logits are a function of its sequence alone: the same whatever it travels in,
+through the eager step and through the compiled one (compiled.py) alike."""
 
 import pytest
 import torch
 
 from inference import model_files
-from inference.worker.engine import formats
+from inference.worker.engine import compiled, formats
 from inference.worker.engine.kv_cache import BlockPool
 from inference.worker.engine.llama import LlamaRunner, LlamaWeights
 from inference.worker.engine.runner import Chunk
@@ -16,10 +17,13 @@ BLOCK = 16
 class Sequences:
     """Sequences on one runner, each with its own blocks, fed by hand-made chunks."""
 
-    def __init__(self, model, fmt):
+    def __init__(self, model, fmt, compile=False):
         kv_dtype = getattr(torch, model_files.kv_dtype("auto", fmt, "float32"))  # as the engine keeps it
         self.pool = BlockPool.for_model(model.model.config, 8192, BLOCK, kv_dtype, model.device)
         self.runner = LlamaRunner(model.model, self.pool, model.device, model.context_length, fmt)
+        if compile:
+            self.runner.compiled = compiled.start(self.runner)
+            assert self.runner.compiled is not None
         self.next_block = 0
 
     def blocks(self, tokens):
@@ -44,10 +48,10 @@ def dense_format(model):
     return "float32" if formats.rows_invariant(LlamaWeights.of(model.model, "float32"), model.model, model.device) else "bfloat16"
 
 
-@pytest.fixture(scope="module", params=["dense", "int4"])
+@pytest.fixture(scope="module", params=["dense", "int4", "int4 compiled"])
 def sequences(model, request):
-    fmt = dense_format(model) if request.param == "dense" else request.param
-    return lambda: Sequences(model, fmt)
+    fmt = dense_format(model) if request.param == "dense" else "int4"
+    return lambda: Sequences(model, fmt, compile=request.param.endswith("compiled"))
 
 
 def test_a_prompt_gives_the_same_logits_in_one_chunk_in_pieces_and_token_by_token(model, sequences):

@@ -212,6 +212,10 @@ class Engine:
         "tokens",
     )
     default_max_tokens: int = setting("TOKSTREAM_DEFAULT_MAX_TOKENS", integer(1), 1024, "completion budget when a request gives none", "tokens")
+    compile: bool = setting(
+        "TOKSTREAM_COMPILE", boolean, True,
+        "run every step of the engine compiled (`torch.compile`; CUDA graphs on a GPU): the first start on a machine compiles (about 30 s here), later ones read `$TOKSTREAM_CACHE_DIR/compiled`; where compiling fails the engine runs eager and the worker logs why ([docs/architecture.md](docs/architecture.md))",
+    )
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,8 @@ def build_engine(lm):
         weights=settings.TOKSTREAM_WEIGHTS,
         formats_file=formats_file(lm),
         kv_dtype=settings.TOKSTREAM_KV_DTYPE,
+        compile=settings.TOKSTREAM_COMPILE,
+        compile_cache=settings.CACHE_DIR / "compiled",
         tells_places=True,  # the chat page shows them
     )
     if isinstance(engine.runner, LlamaRunner):

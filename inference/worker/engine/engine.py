@@ -24,7 +24,7 @@ from inference import model_files
 from inference.protocol.entries import FinishReason
 from inference.protocol.payloads import SamplingParams
 
-from . import formats
+from . import compiled, formats
 from .beam import BeamSearch
 from .budget import StepCost
 from .detokenizer import IncrementalDetokenizer
@@ -153,10 +153,14 @@ def merged(earlier, later):
 
 class Engine:
     @classmethod
-    def for_model(cls, lm, cache_tokens, block_size=BLOCK_SIZE, weights="auto", formats_file=None, kv_dtype="auto", **options):
+    def for_model(
+        cls, lm, cache_tokens, block_size=BLOCK_SIZE, weights="auto", formats_file=None, kv_dtype="auto", compile=False, compile_cache=None, **options
+    ):
         """An engine over a loaded model, with a KV cache of `cache_tokens` tokens in `kv_dtype`
         (`auto`: model_files.kv_dtype), computing with `weights` in that format (`auto`: the one
-        measured fastest here within the quality bound, kept in `formats_file`: formats.py)."""
+        measured fastest here within the quality bound, kept in `formats_file`: formats.py);
+        with `compile`, every step runs compiled (compiled.py), its artefacts kept in
+        `compile_cache`."""
         if isinstance(lm.model, EchoModel):
             runner = EchoRunner(lm.model, cache_tokens, block_size)
         else:
@@ -165,6 +169,8 @@ class Engine:
                 weights = formats.chosen(lm.model, lm.tokenizer, lm.device, formats_file)
             pool = BlockPool.for_model(lm.model.config, cache_tokens, block_size, kv_dtype, lm.device)
             runner = LlamaRunner(lm.model, pool, lm.device, lm.context_length, weights)
+            if compile:
+                runner.compiled = compiled.start(runner, compile_cache)
         return cls(runner, lm.tokenizer, lm.stop_ids, lm.context_length, **options)
 
     def __init__(self, runner, tokenizer, stop_ids, context_length, max_running=8, step_tokens=24, idle_chunk=512, clock=time.time, tells_places=False):

@@ -1,7 +1,9 @@
 """A paged KV cache: a fixed pool of blocks, per-sequence block tables, and a prefix cache.
 
-The pool is allocated once (`k`, `v`: [layers, blocks * block_size, kv_heads, head_dim]); a
-sequence owns a list of block ids. Admission reserves a request's worst case, so a running
+The pool is allocated once (`k`, `v`: one [(blocks + 1) * block_size, kv_heads, head_dim]
+tensor per layer, so that a compiled step reads each layer's cache as an input of its own rather
+than as an offset into a shared one); a sequence owns a list of block ids. The last block is
+never handed out: a step padded to a fixed size writes its padding rows there. Admission reserves a request's worst case, so a running
 sequence never runs out of blocks and a request that cannot fit waits. Full blocks of finished
 sequences stay cached, keyed by a hash of every token up to their end, until the space is
 needed (least recently used first).
@@ -37,9 +39,11 @@ class BlockPool:
     def __init__(self, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, device):
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_layers, num_blocks * block_size, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, H_kv, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.dtype = dtype
+        self.scratch_block = num_blocks
+        shape = ((num_blocks + 1) * block_size, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]  # each [slots, H_kv, D]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.free = list(range(num_blocks))  # a heap: the lowest block first, so a sequence's
         # blocks tend to be neighbours and reading them is close to one sequential copy
         self.refs = [0] * num_blocks
@@ -109,8 +113,11 @@ class BlockPool:
     def copy(self, source, target):
         """Copy one block's keys and values, every layer (copy on write for a forked beam)."""
         size = self.block_size
-        for cache in (self.k, self.v):
-            cache[:, target * size : (target + 1) * size] = cache[:, source * size : (source + 1) * size]
+        for cache in (*self.k, *self.v):
+            cache[target * size : (target + 1) * size] = cache[source * size : (source + 1) * size]
+
+    def nbytes(self):
+        return sum(cache.numel() * cache.element_size() for cache in (*self.k, *self.v))
 
     def release(self, blocks):
         for block in blocks:

@@ -25,25 +25,46 @@ MIN_ROWS = 8
 
 
 class Linear:
-    """y = x @ W.T (+ b); x and y in the model's dtype, W in the format's own."""
+    """y = x @ W.T (+ b); x and y in the model's dtype, W in the format's own. The product is a
+    function of the layer's tensors (`apply`), so that one compiled layer serves every layer
+    of the model, each passing its own (compiled.py)."""
 
     bias = None
     act_dtype = None
 
     def __call__(self, x):
-        y = self.mm(x.to(self.act_dtype)).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        return self.apply(x, *self.tensors())
+
+    def tensors(self):
+        return (*self.weights(), *(() if self.bias is None else (self.bias,)))
+
+    def apply(self, x, *tensors):
+        weights = tensors[: len(tensors) - (self.bias is not None)]
+        y = self.mm(x.to(self.act_dtype), *weights).to(x.dtype)
+        return y if self.bias is None else y + tensors[-1]
+
+    def signature(self):
+        """What a compiled layer takes as given: the same for layers it can serve alike."""
+        return type(self), self.act_dtype, self.bias is None
 
 
 class Dense(Linear):
     def __init__(self, weight, dtype):
         self.weight, self.act_dtype = weight.to(dtype).contiguous(), dtype
 
-    def mm(self, x):
-        if len(x) >= MIN_ROWS or x.device.type != "cpu":
-            return F.linear(x, self.weight)
+    def weights(self):
+        return (self.weight,)
+
+    @staticmethod
+    def mm(x, weight):
+        if x.device.type != "cpu":
+            return F.linear(x, weight)
+        if torch.compiler.is_compiling():  # one program for any number of rows: pad them all
+            return F.linear(torch.cat([x, x.new_zeros(MIN_ROWS - 1, x.shape[1])]), weight)[: len(x)]
+        if len(x) >= MIN_ROWS:
+            return F.linear(x, weight)
         padded = torch.cat([x, x.new_zeros(MIN_ROWS - len(x), x.shape[1])])
-        return F.linear(padded, self.weight)[: len(x)]
+        return F.linear(padded, weight)[: len(x)]
 
 
 class Int8(Linear):
@@ -57,8 +78,12 @@ class Int8(Linear):
         self.weight = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
         self.scale = scale.to(torch.bfloat16)
 
-    def mm(self, x):
-        return torch._weight_int8pack_mm(x, self.weight, self.scale)
+    def weights(self):
+        return self.weight, self.scale
+
+    @staticmethod
+    def mm(x, weight, scale):
+        return torch._weight_int8pack_mm(x, weight, scale)
 
 
 class Int4(Linear):
@@ -84,8 +109,12 @@ class Int4(Linear):
     def fits(weight):
         return weight.device.type == "cpu" and weight.shape[1] % (INT4_GROUP * 2) == 0 and weight.shape[0] % 16 == 0
 
-    def mm(self, x):
-        return torch._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales)
+    def weights(self):
+        return self.weight, self.scales
+
+    @staticmethod
+    def mm(x, weight, scales):
+        return torch._weight_int4pack_mm_for_cpu(x, weight, INT4_GROUP, scales)
 
 
 def linear(weight, fmt, bias=None):
@@ -136,6 +165,16 @@ class Layer:
         self.gate_up = linear(fused([mlp.gate_proj, mlp.up_proj], share)[0], fmt)
         self.down = linear(mlp.down_proj.weight.detach(), fmt)
 
+    def linears(self):
+        return self.qkv, self.o, self.gate_up, self.down
+
+    def tensors(self):
+        """Every tensor of the layer in one order: the norms', then each linear's."""
+        return self.input_norm, self.post_norm, *(t for linear in self.linears() for t in linear.tensors())
+
+    def signature(self):
+        return tuple(linear.signature() for linear in self.linears())
+
 
 class LlamaWeights:
     """The model's weights laid out for decoding, in one format."""
@@ -159,7 +198,7 @@ class LlamaWeights:
         return built[fmt]
 
     def linears(self):
-        return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+        return [m for layer in self.layers for m in layer.linears()] + [self.lm_head]
 
 
 def drop_model_matrices(model, weights):
@@ -215,11 +254,14 @@ class LlamaRunner:
         self.attention = PagedAttention(pool, self.kv_heads, self.head_dim, device)
         self.weights = LlamaWeights.of(model, fmt)
         self.cos, self.sin = rotary_table(model, context_length, device)
+        self.compiled = None  # the compiled step (compiled.py), once started
 
     @torch.inference_mode()
     def forward(self, chunks):
         """-> logits [rows, V]: for each chunk the row after its last token, or after each of
         its tokens for a chunk that asks for all of them (a speculative draft to verify)."""
+        if self.compiled is not None:
+            return self.compiled(chunks)
         w, plan = self.weights, AttentionPlan(chunks, self.pool.block_size, self.device)
         ids = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)  # [N]
         positions = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks]).to(self.device)
@@ -231,8 +273,8 @@ class LlamaRunner:
             q, k, v = layer.qkv(rms_norm(x, layer.input_norm, w.eps)).split(sizes, dim=-1)
             q = rotate(q.view(n, self.heads, self.head_dim), cos, sin)
             k = rotate(k.view(n, self.kv_heads, self.head_dim), cos, sin)
-            self.pool.k[index].index_copy_(0, plan.slots, k.to(self.pool.k.dtype))
-            self.pool.v[index].index_copy_(0, plan.slots, v.view(n, self.kv_heads, self.head_dim).to(self.pool.v.dtype))
+            self.pool.k[index].index_copy_(0, plan.slots, k.to(self.pool.dtype))
+            self.pool.v[index].index_copy_(0, plan.slots, v.view(n, self.kv_heads, self.head_dim).to(self.pool.dtype))
             x = x + layer.o(self.attention(index, q, plan))
             gate, up = layer.gate_up(rms_norm(x, layer.post_norm, w.eps)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
