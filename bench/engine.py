@@ -5,8 +5,9 @@
 (a) transformers `generate`, requests one after another;
 (b) the bare batched forward loop (transformers, DynamicCache, equal prompts) at batch 1, 8, 32:
     the ceiling for this model on this machine;
-(c) the engine with 1, 8 and 32 concurrent requests of mixed prompt lengths, in float32 and in
-    the weight format it measured fastest at load.
+(c) the engine with 1, 8 and 32 concurrent requests of mixed prompt lengths, in the weight
+    format it measured fastest at load, eager and compiled (the other runs use the compiled
+    engine, as the worker ships it; --eager for them all eager).
 Prints tokens/s for each and the ratios to (a) and (b); 32 requests arriving at once beside 4
 running streams (times to first token, the running streams' worst gap), with the prefill budget
 growing while prompts wait and without; one stream with prompt-lookup drafts and without; the
@@ -53,9 +54,14 @@ def prompts(tokenizer, count):
     return out
 
 
-def make_engine(lm, max_running, cache_tokens=48_000, weights="auto"):
+COMPILED = {"compile": True}  # as the worker ships; --eager turns it off for every run but the (c) table's
+
+
+def make_engine(lm, max_running, cache_tokens=48_000, weights="auto", compile=None):
     formats_file = ROOT / ".cache" / "weights" / f"{MODEL}-{str(lm.device).replace(':', '-')}.json"  # the worker's (make model)
-    return Engine.for_model(lm, cache_tokens, max_running=max_running, step_tokens=STEP_TOKENS, weights=weights, formats_file=formats_file)
+    compile = COMPILED["compile"] if compile is None else compile
+    options = dict(max_running=max_running, step_tokens=STEP_TOKENS, weights=weights, formats_file=formats_file)
+    return Engine.for_model(lm, cache_tokens, compile=compile, compile_cache=ROOT / ".cache" / "compiled", **options)
 
 
 def hf_sequential(lm, batch, tokens):
@@ -86,8 +92,8 @@ def run(engine):
         engine.step()
 
 
-def start_all(lm, batch, max_tokens, weights="auto", speculative=True):
-    engine = make_engine(lm, max_running=len(batch) + 1, weights=weights)  # room for one more to join
+def start_all(lm, batch, max_tokens, weights="auto", speculative=True, compile=None):
+    engine = make_engine(lm, max_running=len(batch) + 1, weights=weights, compile=compile)  # room for one more to join
     params = SamplingParams(max_tokens=max_tokens, temperature=0, logit_bias=NO_STOP, speculative=speculative)
     requests = [Request(f"r{n}", p, params) for n, p in enumerate(batch)]
     for request in requests:
@@ -138,7 +144,9 @@ def speculation_ab(lm, tokens):
 
 def burst(lm, tokens, running=4, arrivals=32):
     """`arrivals` chat requests arriving at once beside `running` decoding streams: their times
-    to first token, and the running streams' worst gap against their usual one."""
+    to first token, the running streams' worst gap against their usual one, and the worst step
+    against a plain decode step of as many sequences (what the prompts added to it: the gap
+    also grows as the newcomers start decoding beside the running streams)."""
     questions = [f"Write a short note about {TOPICS[i % len(TOPICS)]} number {i}." for i in range(arrivals + running)]
     chats = [lm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
     engine = make_engine(lm, max_running=arrivals + running, cache_tokens=(arrivals + running) * 512)
@@ -150,11 +158,14 @@ def burst(lm, tokens, running=4, arrivals=32):
     usual = statistics.median(timed_steps(engine, 8))
     newcomers = [Request(f"b{n}", p, replace(params, max_tokens=8)) for n, p in enumerate(chats[running:])]
     engine.add(*newcomers)
-    gaps = []
+    gaps, over_plain = [], []
     while any(r.first_token_at is None for r in newcomers):
+        decoding = sum(1 for r in engine.scheduler.running if r.output_ids)
         gaps += timed_steps(engine, 1)
+        plain = engine.step_cost.decode.at(decoding)
+        over_plain.append(gaps[-1] / plain if plain else 1.0)
     ttfts = sorted(r.first_token_at - r.arrived_at for r in newcomers)
-    return ttfts[len(ttfts) // 2], ttfts[int(len(ttfts) * 0.95)], max(gaps) / usual
+    return ttfts[len(ttfts) // 2], ttfts[int(len(ttfts) * 0.95)], max(gaps) / usual, max(over_plain)
 
 
 def burst_ab(lm, tokens):
@@ -168,9 +179,12 @@ def burst_ab(lm, tokens):
             runs[bound].append(burst(lm, tokens))
     budget.GAP_BOUND = shipped
     for bound, results in runs.items():
-        p50, p95, gap = (statistics.median(r[i] for r in results) for i in range(3))
+        p50, p95, gap, over_plain = (statistics.median(r[i] for r in results) for i in range(4))
         label = "growing budget" if bound > 1 else "steady budget "
-        print(f"32 arriving beside 4 streams, {label}: TTFT p50 {p50 * 1000:5.0f} ms, p95 {p95 * 1000:5.0f} ms; running streams' worst gap x{gap:.2f} of usual")
+        print(
+            f"32 arriving beside 4 streams, {label}: TTFT p50 {p50 * 1000:5.0f} ms, p95 {p95 * 1000:5.0f} ms; "
+            f"running streams' worst gap x{gap:.2f} of usual, worst step x{over_plain:.2f} of a plain step as wide"
+        )
 
 
 def join_busy_batch(lm, batch, tokens):
@@ -237,10 +251,15 @@ def main():
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="skip (a) and the memory run")
     parser.add_argument("--memory", action="store_true", help="only the memory run")
+    parser.add_argument("--eager", action="store_true", help="every engine but the (c) table's eager, as before the compiled step")
+    parser.add_argument("--burst", action="store_true", help="only the 32 arriving beside 4 streams")
     args = parser.parse_args()
+    COMPILED["compile"] = not args.eager
     if args.memory:
         return report_memory()
     lm = loader.load(MODEL, ROOT / ".cache" / "models" / MODEL, loader.pick_devices()[0])
+    if args.burst:
+        return burst_ab(lm, args.tokens)
     print(f"torch threads {torch.get_num_threads()}, device {lm.device}, {args.tokens} tokens per request")
     batch32 = prompts(lm.tokenizer, 32)
     bare_loop(lm, 1, 4, 16)  # warm up
@@ -251,14 +270,14 @@ def main():
     weights = make_engine(lm, 1).runner.weights
     print(f"weights: {weights.format} for every token (as `auto` measured and kept for this machine)")
     for size in (1, 8, 32):
-        exact, context = engine_decoding(lm, batch32[:size], args.tokens, weights="float32", speculative=False)
-        decoding, _ = engine_decoding(lm, batch32[:size], args.tokens, speculative=False)
+        eager, context = engine_decoding(lm, batch32[:size], args.tokens, speculative=False, compile=False)
+        decoding, _ = engine_decoding(lm, batch32[:size], args.tokens, speculative=False, compile=True)
         bare = bare_loop(lm, size, args.tokens, context)  # the ceiling, at the engine's mean context
         whole = engine_throughput(lm, batch32[:size], args.tokens)
         vs_a = f"   whole/(a) x{whole / sequential:5.2f}" if sequential else ""
         print(
-            f"batch {size:2d}: (b) bare decode {bare:6.1f} tok/s | (c) engine decoding, float32 {exact:6.1f}, {weights.format} {decoding:6.1f} tok/s, "
-            f"x{exact / bare:4.2f} / x{decoding / bare:4.2f} of (b) | engine with prefill {whole:6.1f} tok/s{vs_a}"
+            f"batch {size:2d}: (b) bare decode {bare:6.1f} tok/s | (c) engine decoding, {weights.format} eager {eager:6.1f}, compiled {decoding:6.1f} tok/s, "
+            f"x{eager / bare:4.2f} / x{decoding / bare:4.2f} of (b) | engine with prefill {whole:6.1f} tok/s{vs_a}"
         )
     burst_ab(lm, args.tokens)
     speculation_ab(lm, args.tokens)

@@ -26,7 +26,9 @@ def computed(s, plan, token=9):
     request whose prompt is done shares it and takes a token."""
     for req, chunk in plan.scheduled:
         req.computed = chunk.start + len(chunk.token_ids)
-        if not req.pending():
+        if req.pending():
+            s.kv.register_prompt(req)
+        else:
             if not req.output_ids:
                 s.kv.register_computed(req)
             req.output_ids.append(token)
@@ -102,3 +104,31 @@ def test_removing_a_group_takes_its_waiting_and_running_requests():
     s.schedule()
     assert names(s.remove({"g"})) == ["c", "a"]
     assert names(s.requests()) == ["b"]
+
+
+def test_requests_arriving_together_with_one_beginning_compute_it_once():
+    s = scheduler(blocks=64)
+    system = list(range(1, 9))  # four blocks of a system turn every prompt begins with
+    a, b, c = (request(name, system + [20 + n, 30 + n, 40 + n]) for n, name in enumerate("abc"))
+    s.add([a, b, c])
+    computed(s, s.schedule())
+    assert names(s.running) == ["a"] and names(s.waiting) == ["b", "c"]  # they wait for what a computes
+    plan = s.schedule()
+    assert names(s.running) == ["a", "b", "c"] and b.cached_tokens == c.cached_tokens == len(system)
+    assert [(r.request_id, chunk.token_ids) for r, chunk in plan.scheduled][1:] == [("b", [21, 31, 41]), ("c", [22, 32, 42])]
+
+
+def test_a_prefix_is_shared_block_by_block_while_its_prompt_is_still_computing():
+    s = scheduler(blocks=64)
+    s.add([request("d", [99, 98], max_tokens=30)])
+    computed(s, s.schedule())  # one decoding stream: prompts now go in pieces of s.step_tokens
+    system = list(range(100, 160))
+    a, b = request("a", system + [1, 2, 3]), request("b", system + [4, 5, 6])
+    s.add([a, b])
+    computed(s, s.schedule())
+    assert 0 < a.computed < len(system) and b in s.waiting
+    steps = 1
+    while b in s.waiting:
+        computed(s, s.schedule())
+        steps += 1
+    assert steps > 2 and b.cached_tokens == len(system)  # it waited piece by piece, and computes only its own end

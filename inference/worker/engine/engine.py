@@ -360,6 +360,7 @@ class Engine:
         self.stats["computed_prompt_tokens"] += consumed
         request.computed = end
         if request.pending():
+            self.kv.register_prompt(request)
             return False
         if not request.output_ids:
             self.kv.register_computed(request)  # the prompt is in: later requests may share it

@@ -37,12 +37,7 @@ class KVCacheManager:
         preempted request comes back with its whole sequence to compute again."""
         sequence = request.all_ids or request.prompt_ids
         # The last token is always computed: its logits give the next output token.
-        if request.all_ids:
-            hashes = block_hashes(sequence[:-1], self.block_size)
-        else:  # once: a head that waits for room asks every step
-            if request.prompt_hashes is None:
-                request.prompt_hashes = block_hashes(sequence[:-1], self.block_size)
-            hashes = request.prompt_hashes
+        hashes = block_hashes(sequence[:-1], self.block_size) if request.all_ids else self.prompt_hashes(request)
         cached = self.pool.lookup(hashes)
         beams = request.params.beam_width > 1
         need = self.worst_case(request) if beams else math.ceil((len(sequence) + 1) / self.block_size)
@@ -118,6 +113,32 @@ class KVCacheManager:
         self.pool.copy(source, target)
         self.pool.release([source])
         return target
+
+    def prompt_hashes(self, request):
+        """Of the prompt's full blocks, but the last token's; made once (a head that waits asks
+        every step)."""
+        if request.prompt_hashes is None:
+            request.prompt_hashes = block_hashes(request.prompt_ids[:-1], self.block_size)
+        return request.prompt_hashes
+
+    def first_uncached(self, request):
+        """The hash of the first block of the prompt that the prefix cache does not hold."""
+        return next((digest for digest in self.prompt_hashes(request) if digest not in self.pool.cached), None)
+
+    def computing(self, request):
+        """Hashes of the prompt blocks the request is still computing."""
+        if request.output_ids or request.prompt_hashes is None:
+            return []
+        return request.prompt_hashes[request.computed // self.block_size :]
+
+    def register_prompt(self, request):
+        """Share the prompt's full blocks as soon as they are computed, not only once the whole
+        prompt is: requests that arrived together with the same beginning (a chat's system
+        turn) then read them instead of computing them each."""
+        hashes = request.prompt_hashes or []
+        full = min(request.computed // self.block_size, len(hashes))
+        for block, digest in reversed(list(zip(request.blocks[:full], hashes[:full]))):
+            self.pool.register(block, digest)
 
     def register_computed(self, request):
         """Keep the request's full computed blocks for later prompts with the same beginning."""

@@ -135,14 +135,23 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_running:
             request = self.waiting[0]
             problem = self.never_fits(request)
-            if not problem and (request.waits_for_leader() or not self.reserve(request)):
-                break  # the head waits: for its worst case to fit, or for its leader's prompt
+            if not problem and (request.waits_for_leader() or self.shares_a_prefix_in_progress(request) or not self.reserve(request)):
+                break  # the head waits: for room, for its leader's prompt, or for a prefix another is computing
             self.waiting.popleft()
             if problem:
                 refused.append((request, problem))
             else:
                 self.start(request)
         return refused
+
+    def shares_a_prefix_in_progress(self, request):
+        """The next block of the prompt that the cache lacks is one a running request is
+        computing now: computed once and shared (kv_manager.register_prompt), it costs the
+        waiting request a step or a few, and saves computing it again."""
+        if request.all_ids:  # preempted: its sequence is more than the prompt
+            return False
+        computing = {digest for running in self.running for digest in self.kv.computing(running)}
+        return bool(computing) and self.kv.first_uncached(request) in computing
 
     def never_fits(self, request):
         if not request.prompt_ids:
