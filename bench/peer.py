@@ -8,8 +8,8 @@
   service:   POST /v1/chat/completions stream=true through Daphne, the Celery worker and the
              Redis Stream log (bench/serving.py), measured from the client.
 
-Cases: one stream, and 4 concurrent streams. The service runs the 4 at once (its engine batches
-them). llama.cpp runs them one after another in its one `Llama` object: llama-cpp-python's own
+Cases: one stream, and 4 concurrent streams (--concurrent N). The service runs them at once (its
+engine batches them). llama.cpp runs them one after another in its one `Llama` object: llama-cpp-python's own
 server is no fairer a peer, since it serializes requests behind a lock (and by default a new
 request interrupts the one streaming). All 4 arrive at once, so a queued stream's time to first
 token includes the streams before it, as its client would see.
@@ -70,7 +70,6 @@ LLAMA_CPP = "llama-cpp-python==0.3.36"
 PEER_VENV = ROOT / ".cache" / "peer-venv"
 PEER_MARK = PEER_VENV / "tokstream-peer.json"
 THREADS = 2
-CONCURRENT = 4
 TOPICS = ["tea", "the sea", "volcanoes", "chess", "bread", "owls", "trains", "glass", "rivers", "clocks", "maps", "paper"]
 
 # Runs in the peer venv's python. One JSON line in per batch of prompts, one JSON line out.
@@ -261,15 +260,43 @@ def print_run(run, runs, results):
     print(f"run {run + 1}/{runs}, tok/s total: {figures}; load {os.getloadavg()[0]:.1f}", flush=True)
 
 
-def measure(peer, url, key, args):
-    results = {"1 stream": {"llama.cpp": [], "service": []}, f"{CONCURRENT} streams": {"llama.cpp": [], "service": []}}
+def measure(peer, url, key, args, generate):
+    many = f"{args.concurrent} streams"
+    results = {"1 stream": {"llama.cpp": [], "service": []}, many: {"llama.cpp": [], "service": []}}
     for run in range(args.runs):  # interleaved, so drift in the machine's speed hits both
         order = ("llama.cpp", "service") if run % 2 == 0 else ("service", "llama.cpp")
-        for case, count in (("1 stream", 1), (f"{CONCURRENT} streams", CONCURRENT)):
-            for side, batch in run_case(peer, url, key, count, run * 10 + count, args.tokens, order).items():
+        for case, count in (("1 stream", 1), (many, args.concurrent)):
+            for side, batch in run_case(peer, url, key, count, run * 100 + count, args.tokens, order).items():
                 results[case][side].append(batch)
+        if generate:
+            generate.rates.append(generate.rate(prompts(run * 100 + 50, 2), args.tokens))
         print_run(run, args.runs, results)
     return results
+
+
+class Generate:
+    """transformers `generate`, one request after another, in this process: the baseline the
+    concurrent streams are held to (float32, greedy, the chat template, `--tokens` each)."""
+
+    def __init__(self):
+        from inference.worker import engines
+
+        self.lm = engines.load(MODEL)
+        self.rates = []
+
+    def rate(self, texts, tokens):
+        import torch
+
+        start = time.perf_counter()
+        for text in texts:
+            ids = torch.tensor([self.lm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)])
+            self.lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=2)
+        return len(texts) * tokens / (time.perf_counter() - start)
+
+    def report(self, results, many):
+        rate = statistics.median(self.rates)
+        service = summary(results[many]["service"])["aggregate"]
+        print(f"transformers generate, one request after another: {rate:.1f} tok/s; service, {many} at once: {service:.1f} tok/s total = x{service / rate:.2f}")
 
 
 def main():
@@ -277,29 +304,34 @@ def main():
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--port", type=int, default=8098)
+    parser.add_argument("--concurrent", type=int, default=4, help="streams of the second case")
+    parser.add_argument("--generate", action="store_true", help="also time transformers generate, one request after another")
     args = parser.parse_args()
     python = peer_python()
     gguf = package_file(settings.TOKSTREAM_MODELS[MODEL]["source"])  # as the worker finds it
     call_command("migrate", verbosity=0)
     _, key = ApiKey.issue("bench-peer")
     url = f"http://127.0.0.1:{args.port}"
-    children = serving.start_service(ROOT, args.port, DB.parent / "service.log", {**os.environ, "PYTHONUNBUFFERED": "1"})
+    children = serving.start_service(ROOT, args.port, DB.parent / "service.log", {**os.environ, "PYTHONUNBUFFERED": "1"}, max(4, args.concurrent))
     peer = None
     try:
         peer = Peer(python, gguf, DB.parent / "peer.log")
         print(f"llama.cpp: {LLAMA_CPP}, n_threads={THREADS}, chat template {peer.chat_format!r}, {gguf.name}")
-        print(f"  {CONCURRENT} streams: one after another in one Llama object (its server would serialize them too)")
-        print(f"service:   {MODEL} over HTTP, {CONCURRENT} streams at once; --runs {args.runs} --tokens {args.tokens}")
+        print(f"  {args.concurrent} streams: one after another in one Llama object (its server would serialize them too)")
+        print(f"service:   {MODEL} over HTTP, {args.concurrent} streams at once; --runs {args.runs} --tokens {args.tokens}")
         check_peer_counting(peer)
         peer.streams(prompts(20_000, 1), 4)  # warm up both
         service_streams(url, key, prompts(20_000, 1), 4)
-        results = measure(peer, url, key, args)
+        generate = Generate() if args.generate else None
+        results = measure(peer, url, key, args, generate)
     finally:
         if peer:
             peer.close()
         for child in children:
             child.terminate()
     print_table(results, args.runs)
+    if generate:
+        generate.report(results, f"{args.concurrent} streams")
 
 
 if __name__ == "__main__":

@@ -14,13 +14,13 @@ def http():
     return httpx.Client(timeout=300, limits=httpx.Limits(max_connections=64))
 
 
-def start_service(root, port, log_path, env):
+def start_service(root, port, log_path, env, concurrency=4):
     from tokstream_site import processes  # after django.setup() in the benchmark
 
     log = open(log_path, "w")
     children = [
         subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
-        for cmd in (processes.worker_command(4, hostname=f"bench-{port}@%h"), processes.daphne_command("127.0.0.1", port))
+        for cmd in (processes.worker_command(concurrency, hostname=f"bench-{port}@%h"), processes.daphne_command("127.0.0.1", port))
     ]
     for _ in range(600):
         try:

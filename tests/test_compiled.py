@@ -4,6 +4,7 @@ engine that still serves, eagerly. That a row's logits do not depend on what tra
 is tests/test_invariance.py's, for the compiled step as for the eager one."""
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -32,23 +33,29 @@ def greedy_replies(engine, model, tokens=32):
     return [text_of(outputs, f"p{n}") for n in range(len(PROMPTS))]
 
 
-def test_it_compiles_once_and_serves_every_shape_of_step_without_compiling_again(model):
+def test_every_shape_of_step_runs_through_one_program_precompiled_or_traced(model):
+    """The precompiled program runs without guards, so it must serve every shape a step takes
+    with the numbers the guarded, traced one gives; and the traced one (CUDA's) must serve them
+    all without compiling again."""
     engine = real_engine(model, weights="int4", compile=True)
-    assert engine.runner.compiled is not None
+    assert engine.runner.compiled is not None and engine.runner.compiled.precompiled is not None
+    traced = compiled.CompiledStep(engine.runner)  # no warm-up: torch.compile traces at its first step
     blocks = [list(range(k * 40, k * 40 + 40)) for k in range(8)]
     steps = [
         [Chunk([5], 0, blocks[0])],  # a first decode, one block wide
         [Chunk(list(range(100, 150)), 0, blocks[1])],  # a prompt of 50 tokens
         [Chunk(list(range(200, 240)), 0, blocks[2], all_logits=True)],  # every row's logits
-        [Chunk([7], 49, blocks[1]), Chunk([8, 9, 10, 11, 12], 50, blocks[1][:5], drafted=4)],  # drafts to verify
+        [Chunk([7], 49, blocks[1]), Chunk([8, 9, 10, 11, 12], 50, blocks[1], drafted=4)],  # drafts to verify
         [Chunk([9], 300 + k, blocks[k]) for k in range(1, 8)],  # seven decodes, twenty blocks wide
         [Chunk([3], 600, blocks[3]), Chunk(list(range(24)), 10, blocks[4])],  # a decode beside a prompt piece
     ]
-    with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
-        for chunks in steps:
-            logits = engine.runner.forward(chunks)
-            assert logits.shape == (sum(c.logit_rows() for c in chunks), model.model.config.vocab_size)
-            assert torch.isfinite(logits).all()
+    with torch.inference_mode():
+        traced(steps[0])
+        with torch.compiler.set_stance("fail_on_recompile"):
+            for chunks in steps:
+                logits = engine.runner.forward(chunks)
+                assert logits.shape == (sum(c.logit_rows() for c in chunks), model.model.config.vocab_size)
+                assert torch.isfinite(logits).all() and torch.equal(traced(chunks), logits)
 
 
 def test_compiled_and_eager_give_the_same_greedy_replies(model):
@@ -80,9 +87,9 @@ def teacher_forced(runner, tokenizer):
     return torch.cat(pieces)[:-1].float(), torch.tensor(ids[1:])
 
 
-FAILING_START = """
+WORKER_START = """
     import logging, sys
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     sys.path.insert(0, ".")
     import django
     django.setup()
@@ -98,15 +105,40 @@ FAILING_START = """
 """
 
 
-def test_a_compile_that_fails_leaves_a_worker_engine_that_serves_eagerly_and_says_why_once():
-    # No C++ compiler (CXX names one that fails), and no compile cache, so that nothing
-    # compiled before can stand in: the start must still give an engine, on the eager step.
-    env = {**os.environ, "CXX": "/bin/false", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "DJANGO_SETTINGS_MODULE": "tests.settings"}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FAILING_START)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+def worker_start(data_dir, settings, **env):
+    """A worker's engine built as a worker builds it, in a process of its own (Django and
+    Daphne's Twisted loaded), over an empty data directory but for the checkout's model and its
+    measured weight format; -> (stdout, log lines)."""
+    if not (data_dir / "weights").exists():
+        shutil.copytree(settings.CACHE_DIR / "weights", data_dir / "weights")
+    env = {
+        **os.environ,
+        "TOKSTREAM_CACHE_DIR": str(data_dir),
+        "TOKSTREAM_MODEL_CACHE": str(settings.TOKSTREAM_MODEL_CACHE),
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        **env,
+    }
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(WORKER_START)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled: False" in done.stdout and "produced: 0" not in done.stdout, done.stdout
-    said = [line for line in done.stderr.splitlines() if "compiled step failed" in line]
-    assert len(said) == 1, done.stderr[-3000:]
+    assert "produced: 0" not in done.stdout, done.stdout
+    return done.stdout, done.stderr.splitlines()
+
+
+def test_a_restart_loads_the_step_the_first_start_compiled_and_saved(tmp_path, settings):
+    out, first = worker_start(tmp_path, settings)
+    assert "compiled: True" in out and any("compiled step: compiled in" in line and "saved as" in line for line in first), first[-20:]
+    out, again = worker_start(tmp_path, settings)
+    assert "compiled: True" in out and any("compiled step: loaded" in line for line in again), again[-20:]
+    assert not any("did not load" in line or "compiled in" in line for line in again), again[-20:]
+
+
+def test_a_compile_that_fails_leaves_a_worker_engine_that_serves_eagerly_and_says_why_once(tmp_path, settings):
+    # A machine without a working C++ compiler (CXX names one that fails), with nothing
+    # compiled before: the start must still give an engine, on the eager step.
+    out, lines = worker_start(tmp_path, settings, CXX="/bin/false")
+    assert "compiled: False" in out, out
+    said = [line for line in lines if "compiled step failed" in line]
+    assert len(said) == 1, lines[-20:]
 
 
 @pytest.mark.parametrize("rows, width", [(3, 2), (17, 5), (40, 9)])

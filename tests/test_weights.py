@@ -30,13 +30,21 @@ def test_auto_keeps_the_figures_and_picks_the_fastest_format_within_the_perplexi
     chosen, kept = report
     figures = kept["formats"]
     assert set(figures) == {"float32", "bfloat16", "int8", "int4"} and kept["format"] == chosen
+    measured = {fmt: f for fmt, f in figures.items() if "slower" not in f}
     bound = figures["float32"]["perplexity"] * formats.PERPLEXITY_BOUND
-    allowed = {fmt: f for fmt, f in figures.items() if f["row_invariant"] and f["perplexity"] <= bound}
+    allowed = {fmt: f for fmt, f in measured.items() if f["row_invariant"] and f["perplexity"] <= bound}
     assert chosen in allowed
     assert formats.score(list(figures[chosen]["ms_per_step"].values())) <= (1 + formats.MARGIN) * min(
         formats.score(list(f["ms_per_step"].values())) for f in allowed.values()
     )
-    assert all(0.9 <= f["top1"] <= 1 for f in figures.values())  # the README's table: each format's agreement
+    assert all(0.9 <= f["top1"] <= 1 for f in measured.values())  # docs/weights.md's table: each format's agreement
+    assert all(f["slower"] > formats.OUT_OF_REACH for fmt, f in figures.items() if fmt not in measured)
+
+
+def test_a_format_far_slower_at_a_first_look_is_not_measured_further_unless_it_is_the_reference():
+    first_look = {"float32": [80, 125], "bfloat16": [116, 456], "int8": [14, 126], "int4": [12, 121]}
+    worth, slower = formats.within_reach(first_look, "float32")
+    assert worth == ["float32", "int8", "int4"] and list(slower) == ["bfloat16"] and slower["bfloat16"]["slower"] > 5
 
 
 def test_a_start_reads_the_kept_choice_even_while_both_cores_are_busy(model, report, monkeypatch):

@@ -21,13 +21,17 @@ region, so the first compile costs one layer's (about 30 s on these CPUs) and la
 it from the compile cache. The eager path (llama.py) stays for a compile that fails.
 """
 
+import hashlib
 import logging
 import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from . import formats, llama, precompiled
 from .llama import rms_norm, rotate
 from .runner import Chunk
 
@@ -155,12 +159,20 @@ def use_int4_kernel_as_called():
 
 # One program per process for every engine on a kind of device: engines of the same model
 # structure share it, and a structure or format it has not seen adds an entry to it.
-PROGRAMS = {"cpu": torch.compile(forward, dynamic=False), "cuda": torch.compile(forward, dynamic=False, mode="reduce-overhead")}
+# The wrapper's checks of every buffer's size cost more than half a millisecond a step, and the
+# program is only ever given what compiled it.
+UNCHECKED = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+PROGRAMS = {
+    "cpu": torch.compile(forward, dynamic=False, fullgraph=True, options=UNCHECKED),
+    "cuda": torch.compile(forward, dynamic=False, fullgraph=True, mode="reduce-overhead"),
+}
 _layer_steps = {}  # (layer signature, Shape) -> its compiled region
 
 
 class CompiledStep:
-    """forward(chunks) -> logits, through the compiled program."""
+    """forward(chunks) -> logits, through the compiled program: precompiled and saved where
+    torch can (precompiled.py), else traced by torch.compile at each start (and on CUDA, where
+    the traced program records its CUDA graphs)."""
 
     def __init__(self, runner, cache_dir=None, bucketed=None):
         if cache_dir is not None:  # read whenever the compiler looks (it sets a default of its own)
@@ -169,13 +181,15 @@ class CompiledStep:
         # A step the program cannot serve must fail, never run the slow eager form of it.
         torch._dynamo.config.fail_on_recompile_limit_hit = True
         self.runner = runner
+        self.cache_dir = cache_dir
         self.device = torch.device(runner.device)
         self.cuda = self.device.type == "cuda"
         self.bucketed = self.cuda if bucketed is None else bucketed  # CUDA graphs need a few fixed sizes
         self.pool = runner.pool
         self.program = PROGRAMS[self.device.type]
-        shape = Shape(runner.heads, runner.kv_heads, runner.head_dim, self.pool.block_size, runner.weights.eps)
-        self.steps = [_layer_steps.setdefault((layer.signature(), shape), layer_step(layer, shape)) for layer in runner.weights.layers]
+        self.precompiled = None
+        self.shape = Shape(runner.heads, runner.kv_heads, runner.head_dim, self.pool.block_size, runner.weights.eps)
+        self.steps = [_layer_steps.setdefault((layer.signature(), self.shape), layer_step(layer, self.shape)) for layer in runner.weights.layers]
         for tensor in (*self.pool.k, *self.pool.v, runner.cos, runner.sin):  # any cache size, any context
             torch._dynamo.mark_dynamic(tensor, 0)
         if self.cuda:  # CUDA graphs read these where they are: they must never move
@@ -184,24 +198,58 @@ class CompiledStep:
 
     def __call__(self, chunks):
         inputs = StepInputs.of(chunks, self.pool.block_size, self.device, self.pool.scratch_block, self.bucketed)
+        if self.precompiled is not None:
+            logits = self.precompiled(*self.arguments(inputs))
+        else:
+            logits = self.traced(inputs)
+        return logits[: sum(c.logit_rows() for c in chunks)] if self.bucketed else logits
+
+    def arguments(self, inputs):
+        return (self.runner.weights, self.steps, self.pool.k, self.pool.v, self.runner.cos, self.runner.sin, *inputs.tensors())
+
+    def traced(self, inputs):
+        self.mark_sizes(inputs)
+        # Sizes of 1 and sizes that happen to be equal are not special: one program for every step.
+        with torch.fx.experimental._config.patch(backed_size_oblivious=True, use_duck_shape=False):
+            return self.program(*self.arguments(inputs))
+
+    def warm_up(self):
+        """Compile now (or load what an earlier start saved), writing only the scratch block,
+        then take every shape of step once. The first step's sizes are the compiler's hints: a
+        batch's, so that it spreads the loops over the cores (a hint of one row made it run
+        some on one)."""
+        scratch = [self.pool.scratch_block]
+        shapes = ([Chunk([0], 0, scratch)] * WARM_ROWS, [Chunk([0], 0, scratch)], [Chunk([0] * 3, 0, scratch, all_logits=True)])
+        with precompiled.plain_pickling(), torch.inference_mode():  # inference mode as every step runs: another would compile again
+            if not self.bucketed and precompiled.available(self.program):
+                example = StepInputs.of(shapes[0], self.pool.block_size, self.device, self.pool.scratch_block)
+                self.mark_sizes(example)
+                compile_program = precompiled.compiler(self.program, self.arguments(example))
+                self.precompiled = precompiled.program(self.key(), compile_program, self.cache_dir, forward.__globals__)
+            for chunks in shapes:
+                self(chunks)
+
+    @staticmethod
+    def mark_sizes(inputs):
         for tensor in inputs.tensors():
             torch._dynamo.mark_dynamic(tensor, 0)
         torch._dynamo.mark_dynamic(inputs.tables, 1)
-        # Sizes of 1 and sizes that happen to be equal are not special: one program for every step.
-        with torch.fx.experimental._config.patch(backed_size_oblivious=True, use_duck_shape=False):
-            logits = self.program(self.runner.weights, self.steps, self.pool.k, self.pool.v, self.runner.cos, self.runner.sin, *inputs.tensors())
-        return logits[: sum(c.logit_rows() for c in chunks)] if self.bucketed else logits
 
-    def warm_up(self):
-        """Compile now (or read the compile cache), writing only the scratch block. The first
-        step's sizes are the compiler's hints: a batch's, so that it spreads the loops over
-        the cores (a hint of one row made it run some on one). Then the other shapes a step
-        takes: one row, several logit rows."""
-        scratch = [self.pool.scratch_block]
-        shapes = ([Chunk([0], 0, scratch)] * WARM_ROWS, [Chunk([0], 0, scratch)], [Chunk([0] * 3, 0, scratch, all_logits=True)])
-        with torch.inference_mode():  # as every step runs: a change of mode would compile again
-            for chunks in shapes:
-                self(chunks)
+    def key(self):
+        """Everything the program was compiled for: a saved one serves only where all of it holds."""
+        w = self.runner.weights
+        parts = [
+            torch.__version__,
+            self.device.type,
+            formats.cpu_description(),
+            *(Path(module.__file__).read_text() for module in (sys.modules[__name__], llama)),
+            repr(self.shape),
+            repr([layer.signature() for layer in w.layers] + [w.lm_head.signature()]),
+            str(self.pool.dtype),
+            str(w.embed.dtype),
+            repr(sorted(UNCHECKED.items())),
+        ]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def start(runner, cache_dir=None, bucketed=None):

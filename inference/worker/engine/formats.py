@@ -33,8 +33,9 @@ PERPLEXITY_BOUND = 1.05  # a reduced format may be at most 5% more perplexed tha
 BATCHES = (1, 32)  # one stream is bound by weight bytes, 32 by arithmetic
 MAX_ROUNDS = 8
 MARGIN = 0.10  # formats this close are a tie that noise could decide either way
+OUT_OF_REACH = 2.0  # a first look this many times slower than the fastest: not worth a quality measurement
 EVAL_CHUNK = 512
-METHOD = 2  # how the figures are taken; 2: through the KV cache's dtype each format gets
+METHOD = 3  # how the figures are taken; 2: through the KV cache's dtype each format gets; 3: a first look at speed
 
 
 class Unmeasured(Exception):
@@ -54,15 +55,20 @@ def candidates(model, device):
     return list(dict.fromkeys([own, "float32", "bfloat16", "int8", "int4"]))
 
 
-def machine_key(model, device):
-    """What a measurement holds for: the model, the device, the CPU and the torch build."""
+def cpu_description():
+    """The CPU and its instruction sets, as far as this machine says."""
     cpu = platform.processor() or platform.machine()
     try:
         cpu += Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0]
     except (OSError, IndexError):
         pass
+    return cpu
+
+
+def machine_key(model, device):
+    """What a measurement holds for: the model, the device, the CPU and the torch build."""
     config = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
-    parts = [config, str(device), torch.__version__, str(torch.get_num_threads()), cpu, f"method {METHOD}"]
+    parts = [config, str(device), torch.__version__, str(torch.get_num_threads()), cpu_description(), f"method {METHOD}"]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -105,16 +111,28 @@ def write(path, report):
 def measure(model, tokenizer, device):
     """-> {"format", "formats": {fmt: figures}, "rounds", "measured_at"}."""
     formats = candidates(model, device)
-    figures = qualities(model, tokenizer, device, formats)
     own = own_format(model)
+    worth, slower = within_reach(one_round(model, formats, device), own)
+    figures = {**qualities(model, tokenizer, device, worth), **slower}
     bound = figures[own]["perplexity"] * PERPLEXITY_BOUND
-    allowed = [fmt for fmt in formats if figures[fmt]["row_invariant"] and figures[fmt]["perplexity"] <= bound] or [own]
+    allowed = [fmt for fmt in worth if figures[fmt]["row_invariant"] and figures[fmt]["perplexity"] <= bound] or [own]
     timings, best, rounds = agreed_timings(model, allowed, device)
     for fmt, times in timings.items():
         figures[fmt]["ms_per_step"] = {str(b): round(t * 1e3, 2) for b, t in zip(BATCHES, times)}
     for fmt in set(formats) - {best}:
         model.__dict__.get("_tokstream_weights", {}).pop(fmt, None)  # measured, not kept
-    return {"format": best, "formats": figures, "rounds": rounds, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {"format": best, "formats": {fmt: figures[fmt] for fmt in formats}, "rounds": rounds, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def within_reach(first_look, own):
+    """(the formats worth a quality measurement: the model's own, the reference, and those
+    within OUT_OF_REACH of the fastest; {fmt: figures} of the rest). Teacher-forcing the
+    evaluation text through a format costs 20 to 50 s here: bfloat16 on a CPU without bfloat16
+    arithmetic is five times slower and would never be picked."""
+    fastest = min(score(times) for times in first_look.values())
+    worth = [fmt for fmt, times in first_look.items() if fmt == own or score(times) <= OUT_OF_REACH * fastest]
+    slower = {fmt: {"slower": round(score(times) / fastest, 1)} for fmt, times in first_look.items() if fmt not in worth}
+    return worth, slower
 
 
 def score(times):
@@ -124,6 +142,9 @@ def score(times):
 def describe(report):
     parts = []
     for fmt, figures in report["formats"].items():
+        if "slower" in figures:
+            parts.append(f"{fmt}: x{figures['slower']} slower than the fastest at a first look, not measured further")
+            continue
         times = figures.get("ms_per_step")
         speed = " / ".join(f"{t} ms" for t in times.values()) if times else "not timed"
         parts.append(
