@@ -2,6 +2,7 @@
 its key and user, under a row lock, and its end gives the hold back (the ledger then carries
 what it really cost). So concurrent requests cannot together pass a budget."""
 
+from dataclasses import dataclass
 from decimal import Decimal
 
 from django.db import transaction
@@ -16,6 +17,25 @@ class OverBudget(Exception):
 
 
 PER_PERIOD = {Budget.Period.DAY: "daily", Budget.Period.MONTH: "monthly"}  # not f"{period}ly": "dayly"
+
+
+@dataclass(frozen=True)
+class Hold:
+    """What one request holds: the same tokens and money on each of these budgets. Kept as
+    JSON in its pending row (to_json/from_json) until its end releases it."""
+
+    budgets: tuple[int, ...] = ()
+    tokens: int = 0
+    money: Decimal = Decimal(0)
+
+    def to_json(self):
+        return {"budgets": list(self.budgets), "tokens": self.tokens, "money": str(self.money)}
+
+    @classmethod
+    def from_json(cls, value):
+        if not value:  # a row from before holds were kept
+            return cls()
+        return cls(tuple(value["budgets"]), value["tokens"], Decimal(value["money"]))
 
 
 def worst_cost(model, prompt_tokens, completion_tokens, now):
@@ -41,7 +61,7 @@ def hold(api_key_id, user_id, model, prompt_tokens, completion_tokens):
             budget.held_tokens += tokens
             budget.held_money += money
             budget.save(update_fields=["held_tokens", "held_money"])
-    return {"budgets": [b.pk for b in budgets], "tokens": tokens, "money": str(money)}
+    return Hold(tuple(b.pk for b in budgets), tokens, money)
 
 
 def check(budget, tokens, money, now):
@@ -57,11 +77,10 @@ def check(budget, tokens, money, now):
 
 def release(held):
     """The request ended (its ledger entry is written): give its hold back."""
-    if not held or not held["budgets"]:
+    if not held.budgets:
         return
-    tokens, money = held["tokens"], Decimal(held["money"])
     with transaction.atomic():
-        for budget in Budget.objects.select_for_update().filter(pk__in=held["budgets"]).order_by("pk"):
-            budget.held_tokens = max(budget.held_tokens - tokens, 0)
-            budget.held_money = max(budget.held_money - money, Decimal(0))
+        for budget in Budget.objects.select_for_update().filter(pk__in=held.budgets).order_by("pk"):
+            budget.held_tokens = max(budget.held_tokens - held.tokens, 0)
+            budget.held_money = max(budget.held_money - held.money, Decimal(0))
             budget.save(update_fields=["held_tokens", "held_money"])

@@ -42,30 +42,83 @@ class Provenance:
     vendor_cached_prompt_tokens: int | None = None
     vendor_completion_tokens: int | None = None
 
-    def fields(self):
-        return dataclasses.asdict(self)
-
 
 def as_datetime(timestamp):
     return None if timestamp is None else datetime.fromtimestamp(timestamp, tz=UTC)
 
 
+@dataclass(frozen=True)
+class Charge:
+    """What one request's entry records, as its ender gives it: whose request, on which model,
+    the token counts, the times and where the counts came from."""
+
+    request_id: str
+    finish_reason: str
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    received_at: datetime
+    finished_at: datetime
+    api_key_id: int | None = None
+    user_id: int | None = None
+    error: str = ""
+    started_at: datetime | None = None
+    first_token_at: datetime | None = None
+    provenance: Provenance = Provenance()
+
+    def entry(self):
+        """The unpriced, unchained row."""
+        source = self.provenance
+        return UsageEntry(
+            request_id=self.request_id,
+            finish_reason=self.finish_reason,
+            status=STATUS_OF_REASON[self.finish_reason],
+            model=self.model,
+            api_key_id=self.api_key_id,
+            user_id=self.user_id,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            error=self.error,
+            received_at=self.received_at,
+            started_at=self.started_at,
+            first_token_at=self.first_token_at,
+            finished_at=self.finished_at,
+            usage_source=source.usage_source,
+            model_served=source.model_served,
+            tokenizer=source.tokenizer,
+            cached_prompt_tokens=source.cached_prompt_tokens,
+            steering_tokens=source.steering_tokens,
+            vendor_request_id=source.vendor_request_id,
+            counted_prompt_tokens=source.counted_prompt_tokens,
+            counted_completion_tokens=source.counted_completion_tokens,
+            vendor_prompt_tokens=source.vendor_prompt_tokens,
+            vendor_cached_prompt_tokens=source.vendor_cached_prompt_tokens,
+            vendor_completion_tokens=source.vendor_completion_tokens,
+        )
+
+
+PROVENANCE_FIELDS = frozenset(field.name for field in dataclasses.fields(Provenance))
+
+
 def record(request_id, finish_reason, **fields):
-    """Create the entry for this request, or return the one a first delivery (or a racing
-    writer) already wrote: the unique request id and the transaction decide."""
-    return record_once(request_id, finish_reason, **fields)[0]
+    """For scripts and tests, an entry from keyword fields (a Charge's and its Provenance's):
+    created, or the one a first delivery (or a racing writer) already wrote."""
+    provenance = Provenance(**{name: value for name, value in fields.items() if name in PROVENANCE_FIELDS})
+    others = {name: value for name, value in fields.items() if name not in PROVENANCE_FIELDS}
+    return record_once(Charge(request_id, finish_reason, provenance=provenance, **others))[0]
 
 
-def record_once(request_id, finish_reason, **fields):
-    """(the request's entry, whether this call wrote it)."""
-    entry = UsageEntry(request_id=request_id, finish_reason=finish_reason, status=STATUS_OF_REASON[finish_reason], **fields)
+def record_once(charge):
+    """(the request's entry, whether this call wrote it): the unique request id and the
+    transaction decide which writer's entry stands."""
+    entry = charge.entry()
     entry.counts_differ = counts_differ(entry)
     price(entry)
     try:
         with transaction.atomic():
             append(entry)
     except IntegrityError:
-        existing = UsageEntry.objects.filter(request_id=request_id).first()
+        existing = UsageEntry.objects.filter(request_id=charge.request_id).first()
         if existing is None:  # not a second writer: the row itself was refused
             raise
         return existing, False

@@ -37,7 +37,9 @@ Words, each with one meaning in the code and the docs:
   log (worker/local.py), and the web *sends* the log as SSE (gateway/sse.py).
 - *hold*: the worst case set aside on a request's budgets at admission, *released* at its end
   (billing/budgets.py).
-- *reserve*: set KV cache blocks aside for a request's worst case (engine/kv_manager.py).
+- *reserve*: set KV cache blocks aside for a request (engine/kv_manager.py); the engine's
+  scheduler *starts* a waiting request once its blocks are reserved (never "admits": that is
+  the gateway's).
 - *settle*: give a chat page's reply its final text, calls and ending from the log (replies.py).
 - *beat*: a worker's heartbeat (worker/beats.py); *drain*: a worker asked to stop finishes what
   it runs and takes nothing new.

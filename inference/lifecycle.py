@@ -32,7 +32,7 @@ from billing import budgets, ledger
 from inference import metrics, streamlog
 from inference.models import PendingRequest
 from inference.protocol.entries import Delta, End, FinishReason, Refusal, Usage, encode
-from inference.protocol.payloads import META_FIELDS, Admitted, RequestMeta, State, holder
+from inference.protocol.payloads import META_FIELDS, Admitted, RequestMeta, State, Status
 from inference.signals import request_finished
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class Seen:
     """One read of what decides whether a request is over: its state, its metadata (what
     admission and the workers wrote), its cancel flag and the workers' beats."""
 
-    state: str | None
+    status: Status | None
     meta: RequestMeta | None = None
     cancelled: bool = False
     beats: dict = field(default_factory=dict)
@@ -87,7 +87,11 @@ class Seen:
     @classmethod
     def of(cls, replies):
         state, meta, cancelled, beats = replies
-        return cls(state, RequestMeta.from_redis(meta), bool(cancelled), streamlog.beats_of(beats))
+        return cls(Status.from_redis(state), RequestMeta.from_redis(meta), bool(cancelled), streamlog.beats_of(beats))
+
+    def ending(self):
+        """Someone is ending it (its end entry comes next)."""
+        return self.status is not None and self.status.state == State.ENDING
 
 
 def verdict(seen, model, now, by=None):
@@ -95,14 +99,14 @@ def verdict(seen, model, now, by=None):
     sweeper, the relay and the claim apply. `by` is the worker asking of a request it is taking
     or holds without having started it (a claim, a relay waiting for an upstream slot): its own
     claim is no reason to stop, its client leaving and the deadline are."""
-    state, meta = seen.state, seen.meta
-    if state is None:
+    status, meta = seen.status, seen.meta
+    if status is None:
         return Verdict.LOST
-    if state == State.ENDED:
+    if status.state == State.ENDED:
         return Verdict.ENDED
-    if state == State.ENDING:  # its ender stopped before writing the end: end it again
+    if status.state == State.ENDING:  # its ender stopped before writing the end: end it again
         return Verdict.ORPHANED if now - ((meta and meta.ending_at) or 0) > ENDER_GRACE else Verdict.ENDING
-    held = holder(state)
+    held = status.holder()
     if held and held != by:
         return None if streamlog.beating(seen.beats, held, model, now) else Verdict.ORPHANED
     if seen.cancelled:
@@ -164,10 +168,10 @@ def state_key(request_id):
 
 
 def apply(client, request_id, observed, decided, worker_id="", token="", model="", keep=False):
-    """Make the transition `decided` (a verdict, or "claimed") if the state is still `observed`
+    """Make the transition `decided` (a verdict, or "claimed") if the Status is still `observed`
     (None: missing); 1 if it was made. Works with the sync or the asyncio client."""
     keys = [state_key(request_id), streamlog.key(request_id, "meta"), streamlog.queue_key(model)]
-    args = [observed or "", decided, worker_id, time.time(), token, "keep" if keep else "", request_id, settings.TOKSTREAM_LOG_TTL]
+    args = [observed.to_redis() if observed else "", decided, worker_id, time.time(), token, "keep" if keep else "", request_id, settings.TOKSTREAM_LOG_TTL]
     return client.eval(APPLY, len(keys), *keys, *args)
 
 
@@ -192,15 +196,15 @@ def claim_once(client, request_id, model, worker_id, token, keep_queued):
     seen = read(client, request_id)
     if seen.meta is not None and seen.meta.claim == token:
         return Claim.CLAIMED
-    if holder(seen.state) == worker_id:
+    if seen.status and seen.status.holder() == worker_id:
         return Claim.RUNNING  # delivered again to the worker that runs it
     found = verdict(seen, model, time.time(), by=worker_id)
     if found in (Verdict.ENDED, Verdict.ENDING):
         return Verdict.ENDED
-    if found is None and seen.state != State.QUEUED:
+    if found is None and seen.status.state != State.QUEUED:
         return Claim.RUNNING
     decided = Claim.CLAIMED if found is None else found
-    if found == Verdict.LOST or apply(client, request_id, seen.state, decided, worker_id, token, model, keep_queued):
+    if found == Verdict.LOST or apply(client, request_id, seen.status, decided, worker_id, token, model, keep_queued):
         return decided
     return None
 
@@ -211,7 +215,7 @@ def mark_prefetched(client, request_id, worker_id):
 
 
 def take_over(client, request_id, observed, decided=Verdict.ORPHANED):
-    """Become the one who ends the request, if its state is still `observed` (None: missing).
+    """Become the one who ends the request, if its Status is still `observed` (None: missing).
     Works with the sync or the asyncio client."""
     return apply(client, request_id, observed, decided)
 
@@ -230,16 +234,24 @@ class Outcome:
     code: str | None = None
     refusal: Refusal | None = None  # an upstream's refusal, as its client is told it
 
-    def ledger_fields(self, received_at):
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "error": self.error,
-            "received_at": ledger.as_datetime(received_at),
-            "started_at": ledger.as_datetime(self.started_at),
-            "first_token_at": ledger.as_datetime(self.first_token_at),
-            "finished_at": ledger.as_datetime(self.finished_at or time.time()),
-        }
+    def charge(self, admitted, provenance):
+        """The request's ledger entry, as this outcome says."""
+        at = ledger.as_datetime
+        return ledger.Charge(
+            admitted.request_id,
+            self.finish_reason,
+            admitted.model,
+            self.prompt_tokens,
+            self.completion_tokens,
+            received_at=at(admitted.received_at),
+            finished_at=at(self.finished_at or time.time()),
+            api_key_id=admitted.api_key_id,
+            user_id=admitted.user_id,
+            error=self.error,
+            started_at=at(self.started_at),
+            first_token_at=at(self.first_token_at),
+            provenance=provenance,
+        )
 
     def usage(self):
         return Usage(self.prompt_tokens, self.completion_tokens)
@@ -247,7 +259,7 @@ class Outcome:
 
 def unrun(verdict, completion_tokens=0, prompt_tokens=0):
     """The outcome of a request ended without (more) generation: cancelled, or failed."""
-    if verdict == "cancelled":
+    if verdict == Verdict.CANCELLED:
         return Outcome(FinishReason.CANCELLED, prompt_tokens, completion_tokens)
     return Outcome(FinishReason.ERROR, prompt_tokens, completion_tokens, error=MESSAGES[verdict], code=CODES[verdict])
 
@@ -267,20 +279,13 @@ def end(client, admitted, outcome, finish_reasons=None, gaps=(), provenance=None
 
 
 def write_ledger(admitted, outcome, provenance):
-    fields = {
-        "model": admitted.model,
-        "api_key_id": admitted.api_key_id,
-        "user_id": admitted.user_id,
-        **outcome.ledger_fields(admitted.received_at),
-        **provenance.fields(),
-    }
     try:
         with transaction.atomic():
             pending = PendingRequest.objects.select_for_update().filter(request_id=admitted.request_id).first()
-            _, created = ledger.record_once(admitted.request_id, outcome.finish_reason, **fields)
+            _, created = ledger.record_once(outcome.charge(admitted, provenance))
             if pending is not None:
                 if created:
-                    budgets.release(pending.hold)
+                    budgets.release(budgets.Hold.from_json(pending.hold))
                 pending.delete()
             return created
     except Exception:  # the client still gets its end; the operator gets the alarm, the sweeper a retry
@@ -385,7 +390,7 @@ def end_as_logged(client, admitted):
     database failed then): the row, from what the end entry says."""
     end = streamlog.end_of(client, admitted.request_id)  # the newest entry only, not the whole log
     if end is None:
-        return end_abandoned(client, admitted, "orphaned")
+        return end_abandoned(client, admitted, Verdict.ORPHANED)
     outcome = Outcome(worst(end.finish_reasons), end.usage.prompt_tokens, end.usage.completion_tokens, error=end.error or "")
     if write_ledger(admitted, outcome, ledger.Provenance(usage_source="stream_log")):
         after_end(client, admitted, outcome, ())
@@ -446,7 +451,7 @@ def sweep(client, limit=500):
             end_as_logged(client, row.admitted())
         elif found in (Verdict.ENDING, Verdict.UNSERVED, None):
             continue
-        elif seen.state == State.ENDING or take_over(client, row.request_id, seen.state, found):
+        elif seen.ending() or take_over(client, row.request_id, seen.status, found):
             end_abandoned(client, row.admitted(), found)
         ended += 1
     return ended
@@ -457,7 +462,7 @@ def end_if_over(client, request_id, model):
     a request stopped while it queued ends at once, not when a worker reaches it)."""
     seen = read(client, request_id)
     found = verdict(seen, model, time.time())
-    if found in (Verdict.CANCELLED, Verdict.EXPIRED, Verdict.ORPHANED) and take_over(client, request_id, seen.state, found):
+    if found in (Verdict.CANCELLED, Verdict.EXPIRED, Verdict.ORPHANED) and take_over(client, request_id, seen.status, found):
         admitted = admitted_of(client, request_id)
         if admitted is not None:
             end_abandoned(client, admitted, found)

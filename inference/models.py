@@ -65,7 +65,7 @@ class PendingRequest(models.Model):
     prompt_tokens = models.IntegerField()
     n = models.IntegerField(default=1)
     received_at = models.FloatField()  # seconds since the epoch, as the task and log carry it
-    hold = models.JSONField(null=True)  # billing.budgets.hold's, to release at the end
+    hold = models.JSONField(null=True)  # billing.budgets.Hold.to_json(), released at the end
     task = models.JSONField(default=dict)  # the Celery task's arguments
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 

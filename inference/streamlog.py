@@ -47,6 +47,9 @@ CONNECT_TIMEOUT = 2  # seconds to open a connection
 CALL_TIMEOUT = 5  # any call that does not block on the server
 BLOCK_MARGIN = 5  # a blocking read waits its block time, plus this for the round trip
 RETRIES = 3  # a dropped connection is tried again, briefly: a Redis restart takes seconds
+RETRY_WAIT = (0.05, 0.5)  # seconds before the first retry, and at most (doubling, with jitter)
+HEALTH_CHECK_SECONDS = 30  # an idle pooled connection is pinged before use after this long
+LOST_FROM_QUEUE = 3600  # seconds past the log's TTL after which a queue entry is a crash's leftover
 
 
 def client_options(block_seconds=0):
@@ -55,13 +58,13 @@ def client_options(block_seconds=0):
         "decode_responses": True,
         "socket_connect_timeout": CONNECT_TIMEOUT,
         "socket_timeout": block_seconds + BLOCK_MARGIN if block_seconds else CALL_TIMEOUT,
-        "health_check_interval": 30,
+        "health_check_interval": HEALTH_CHECK_SECONDS,
     }
 
 
 def _retry(kind):
     # Not on a time-out: a call that timed out would wait its whole time-out again.
-    return kind.Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), RETRIES, supported_errors=(redis.ConnectionError,))
+    return kind.Retry(ExponentialWithJitterBackoff(base=RETRY_WAIT[0], cap=RETRY_WAIT[1]), RETRIES, supported_errors=(redis.ConnectionError,))
 
 
 @functools.cache
@@ -295,7 +298,7 @@ def join_queue(client, model, request_id):
     """Place the request in its model's queue; returns its position (0: next)."""
     now, key = time.time(), queue_key(model)
     with client.pipeline(transaction=True) as pipe:
-        pipe.zremrangebyscore(key, 0, now - settings.TOKSTREAM_LOG_TTL - 3600)  # lost by a crash
+        pipe.zremrangebyscore(key, 0, now - settings.TOKSTREAM_LOG_TTL - LOST_FROM_QUEUE)
         pipe.zadd(key, {request_id: now})
         pipe.zrank(key, request_id)
         return pipe.execute()[-1]

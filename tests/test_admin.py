@@ -87,7 +87,7 @@ def test_the_csv_action_and_the_rest_export_write_the_same_file(admin_client):
     key, _ = ApiKey.issue("auditor")
     now = time.time()
     entry = ledger.record(
-        "r-admin-same", "stop", api_key=key, model="m", tokenizer="t", prompt_tokens=10, completion_tokens=3, vendor_request_id="=x",
+        "r-admin-same", "stop", api_key_id=key.pk, model="m", tokenizer="t", prompt_tokens=10, completion_tokens=3, vendor_request_id="=x",
         received_at=ledger.as_datetime(now), first_token_at=ledger.as_datetime(now + 0.5), finished_at=ledger.as_datetime(now + 1),
     )  # fmt: skip
     reversal = ledger.reverse(entry, "@staff reason")

@@ -92,7 +92,7 @@ def auths():
     now = time.time()
     for n in range(5):
         ledger.record(
-            f"r-fuzz-{n}", "stop", api_key=key, model="m", tokenizer="t", prompt_tokens=n, completion_tokens=n, vendor_request_id=f"=v{n}",
+            f"r-fuzz-{n}", "stop", api_key_id=key.pk, model="m", tokenizer="t", prompt_tokens=n, completion_tokens=n, vendor_request_id=f"=v{n}",
             received_at=ledger.as_datetime(now + n), finished_at=ledger.as_datetime(now + n),
         )  # fmt: skip
     return [own, key_with("ledger:read:all")[1], key_with("chat")[1], {"HTTP_AUTHORIZATION": "Bearer nope"}, {}]

@@ -29,7 +29,7 @@ def entries(count, key, model="m", status="stop"):
     now = time.time()
     for n in range(count):
         ledger.record(
-            f"r-{key.pk}-{model}-{now}-{n}", status, api_key=key, model=model, tokenizer="t", prompt_tokens=10 + n,
+            f"r-{key.pk}-{model}-{now}-{n}", status, api_key_id=key.pk, model=model, tokenizer="t", prompt_tokens=10 + n,
             completion_tokens=n, received_at=ledger.as_datetime(now + n / 1000), finished_at=ledger.as_datetime(now + 1),
         )  # fmt: skip
 
@@ -174,7 +174,7 @@ def test_the_csv_export_never_carries_a_formula_and_keeps_negative_numbers(clien
     PriceSheet.objects.create(model="m", effective_from=ledger.as_datetime(0), **prices)
     now = time.time()
     entry = ledger.record(
-        "r-formula", "stop", api_key=key, model="m", tokenizer="t", prompt_tokens=10, completion_tokens=5,
+        "r-formula", "stop", api_key_id=key.pk, model="m", tokenizer="t", prompt_tokens=10, completion_tokens=5,
         vendor_request_id='=HYPERLINK("http://evil.example","x")', received_at=ledger.as_datetime(now), finished_at=ledger.as_datetime(now),
     )  # fmt: skip
     ledger.reverse(entry, "@SUM(1+1)*cmd|' /C calc'!A0")
@@ -233,7 +233,7 @@ def test_entries_carry_their_time_to_first_token_and_tokens_per_second(client):
     key, auth = key_with("ledger:read")
     now = time.time()
     ledger.record(
-        "r-timed", "stop", api_key=key, model="m", tokenizer="t", prompt_tokens=5, completion_tokens=10,
+        "r-timed", "stop", api_key_id=key.pk, model="m", tokenizer="t", prompt_tokens=5, completion_tokens=10,
         received_at=ledger.as_datetime(now), started_at=ledger.as_datetime(now + 0.2), first_token_at=ledger.as_datetime(now + 0.5),
         finished_at=ledger.as_datetime(now + 1.5),
     )  # fmt: skip

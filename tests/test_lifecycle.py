@@ -15,7 +15,7 @@ from inference import lifecycle, streamlog
 from inference.gateway import admission
 from inference.models import PendingRequest
 from inference.protocol.entries import Delta, End, Open
-from inference.protocol.payloads import Admitted, Beat, GenerateTask, RequestMeta
+from inference.protocol.payloads import Admitted, Beat, GenerateTask, RequestMeta, State, Status
 from inference.signals import request_finished
 from tests import sse
 
@@ -72,9 +72,9 @@ def test_an_ending_is_published_once(redis_client, queued):
 
 
 def test_a_take_over_needs_the_state_it_saw(redis_client, queued):
-    assert not lifecycle.take_over(redis_client, queued, "running w1")
-    assert lifecycle.take_over(redis_client, queued, "queued")
-    assert not lifecycle.take_over(redis_client, queued, "queued")  # someone else was first
+    assert not lifecycle.take_over(redis_client, queued, Status(State.RUNNING, "w1"))
+    assert lifecycle.take_over(redis_client, queued, QUEUED)
+    assert not lifecycle.take_over(redis_client, queued, QUEUED)  # someone else was first
     assert lifecycle.take_over(redis_client, f"{queued}-gone", None)
 
 
@@ -101,14 +101,17 @@ def test_redis_calls_wait_no_longer_than_what_they_wait_for():
 
 def test_a_claim_tried_again_after_its_reply_was_lost_still_holds(redis_client, queued):
     beat(redis_client, "w1", time.time() + 60)
-    again = [lifecycle.apply(redis_client, queued, "queued", "claimed", "w1", "token-1", MODEL) for _ in range(2)]
+    again = [lifecycle.apply(redis_client, queued, QUEUED, "claimed", "w1", "token-1", MODEL) for _ in range(2)]
     assert again == [1, 1]
-    assert lifecycle.apply(redis_client, queued, "queued", "claimed", "w2", "token-2", MODEL) == 0
+    assert lifecycle.apply(redis_client, queued, QUEUED, "claimed", "w2", "token-2", MODEL) == 0
     assert claim(redis_client, queued, "w1") == "running"  # another delivery, even to the same worker
 
 
+QUEUED = Status(State.QUEUED)
+
+
 def seen(state, beats=None, cancelled=False, **fields):
-    return lifecycle.Seen(state, meta(**fields), cancelled, beats or {})
+    return lifecycle.Seen(Status.from_redis(state), meta(**fields), cancelled, beats or {})
 
 
 def beats(*workers, until):
@@ -122,7 +125,7 @@ def test_one_verdict_says_when_a_request_is_over():
         (seen(None), None, V.LOST),
         (seen("ended"), None, V.ENDED),
         (seen("ending", ending_at=now - 1), None, V.ENDING),
-        (lifecycle.Seen("ending"), None, V.ORPHANED),  # its metadata expired with its ender
+        (lifecycle.Seen(Status(State.ENDING)), None, V.ORPHANED),  # its metadata expired with its ender
         (seen("ending", ending_at=now - lifecycle.ENDER_GRACE - 1), None, V.ORPHANED),  # its ender stopped
         (seen("running w1", beats=live, cancelled=True), None, None),  # its worker stops it
         (seen("running w1", beats=dead), None, V.ORPHANED),
@@ -144,9 +147,9 @@ def test_one_verdict_says_when_a_request_is_over():
 
 
 def test_the_sweeper_leaves_a_fresh_ending_to_its_ender(redis_client, queued):
-    assert lifecycle.take_over(redis_client, queued, "queued")
+    assert lifecycle.take_over(redis_client, queued, QUEUED)
     seen = lifecycle.read(redis_client, queued)
-    assert seen.state == "ending" and lifecycle.verdict(seen, MODEL, time.time()) == lifecycle.Verdict.ENDING
+    assert seen.status == Status(State.ENDING) and lifecycle.verdict(seen, MODEL, time.time()) == lifecycle.Verdict.ENDING
     assert lifecycle.verdict(seen, MODEL, time.time() + lifecycle.ENDER_GRACE + 1) == lifecycle.Verdict.ORPHANED
 
 

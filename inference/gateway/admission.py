@@ -87,7 +87,7 @@ def admit(chat, owner):
         enqueue(client, chat, admitted, owner, task)
     except Exception:  # leave nothing half-made
         with transaction.atomic():
-            budgets.release(pending.hold)
+            budgets.release(budgets.Hold.from_json(pending.hold))
             pending.delete()
         raise
     return admitted
@@ -106,7 +106,7 @@ def hold_budget(owner, admitted, task):
             held = budgets.hold(owner.api_key_id, owner.user_id, admitted.model, admitted.prompt_tokens, completion_tokens)
             return PendingRequest.objects.create(
                 request_id=admitted.request_id, keyspace=streamlog.keyspace(), model=admitted.model, api_key_id=owner.api_key_id, user_id=owner.user_id,
-                prompt_tokens=admitted.prompt_tokens, n=admitted.n, received_at=admitted.received_at, hold=held, task=task.as_kwargs(),
+                prompt_tokens=admitted.prompt_tokens, n=admitted.n, received_at=admitted.received_at, hold=held.to_json(), task=task.as_kwargs(),
             )  # fmt: skip
     except budgets.OverBudget as exc:
         raise ApiError(429, f"You exceeded your budget: {exc}", type="insufficient_quota", code="insufficient_quota") from None

@@ -164,13 +164,13 @@ async def idle_check(client, admitted, unserved):
         return 0, State.ENDED  # whoever ends it wrote, or writes next, the end entry
     unserved = unserved + 1 if found == lifecycle.Verdict.UNSERVED else 0
     if found is not None and (found != lifecycle.Verdict.UNSERVED or unserved >= 2):
-        await reap(client, request_id, seen.state, found)
+        await reap(client, request_id, seen, found)
     return unserved, None
 
 
-async def reap(client, request_id, state, found):
+async def reap(client, request_id, seen, found):
     """End the request here, unless someone else (its worker) moved first."""
-    if state == State.ENDING or await lifecycle.take_over(client, request_id, state, found):
+    if seen.ending() or await lifecycle.take_over(client, request_id, seen.status, found):
         log.warning("request %s ended by its reader: %s", request_id, found)
         await sync_to_async(lifecycle.end_from_reader, thread_sensitive=False)(request_id, found)
 

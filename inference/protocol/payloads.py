@@ -167,7 +167,7 @@ META_FIELDS = tuple(field.name for field in dataclasses.fields(RequestMeta))  # 
 
 
 class State(StrEnum):
-    """A request's state key; a claimed one's is `running <worker>` (see `holder`)."""
+    """Where a request stands: its state key holds one, with the worker that runs it (Status)."""
 
     QUEUED = "queued"
     RUNNING = "running"
@@ -175,10 +175,28 @@ class State(StrEnum):
     ENDED = "ended"
 
 
-def holder(state):
-    """The worker a running state names, else None."""
-    prefix = f"{State.RUNNING} "
-    return state[len(prefix) :] if state and state.startswith(prefix) else None
+@dataclass(frozen=True)
+class Status:
+    """A request's state key: its State, and for a running request the worker that holds it
+    (kept as `running <worker>`, the form the Lua scripts write and compare)."""
+
+    state: State
+    worker: str = ""
+
+    def to_redis(self):
+        return f"{self.state} {self.worker}" if self.worker else str(self.state)
+
+    @classmethod
+    def from_redis(cls, value):
+        """None for a missing key."""
+        if value is None:
+            return None
+        state, _, worker = value.partition(" ")
+        return cls(State(state), worker)
+
+    def holder(self):
+        """The worker that runs it, else None."""
+        return self.worker if self.state == State.RUNNING else None
 
 
 @dataclass(frozen=True)

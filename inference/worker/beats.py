@@ -18,6 +18,11 @@ log = logging.getLogger(__name__)
 BOOT = uuid.uuid4().hex[:8]  # a restarted container may reuse the host name and the pid
 STOPPED = threading.Event()  # the worker is shutting down: its engines beat no more
 DRAINING = threading.Event()  # asked to stop: it finishes what it runs and takes nothing new
+BEATS_PER_TTL = 3  # a beat every third of its lifetime: one late beat does not look like a death
+
+
+def beat_interval():
+    return settings.TOKSTREAM_WORKER_TTL / BEATS_PER_TTL
 
 
 def worker_id(part):
@@ -89,7 +94,7 @@ class UpstreamBeat(threading.Thread):
                 beat(self.redis, self.worker_id, self.name_of_model)
             except Exception:  # Redis went away: beat again later
                 log.exception("heartbeat of upstream model %s failed", self.name_of_model)
-            time.sleep(settings.TOKSTREAM_WORKER_TTL / 3)
+            time.sleep(beat_interval())
 
     def load(self):
         return 0

@@ -15,8 +15,8 @@ import time
 from django.conf import settings
 
 from inference import backends, metrics, registry, streamlog
-from inference.protocol.payloads import holder
-from inference.worker.beats import STOPPED, UpstreamBeat, beat, worker_id
+from inference.protocol.payloads import Status
+from inference.worker.beats import STOPPED, UpstreamBeat, beat, beat_interval, worker_id
 from inference.worker.engine import Engine, Request, SamplingParams, choices, loader
 from inference.worker.engine.llama import LlamaRunner, drop_model_matrices
 
@@ -105,7 +105,7 @@ class EngineLoop(threading.Thread):
     def run_once(self):
         self.heartbeat()
         if not self.engine.has_work():
-            self.wake.wait(timeout=settings.TOKSTREAM_WORKER_TTL / 3)
+            self.wake.wait(timeout=beat_interval())
             self.wake.clear()
             return
         if self.engine.load()[1] or time.monotonic() - self.last_signals >= SIGNAL_SECONDS:  # a cancelled prompt is never computed
@@ -114,7 +114,7 @@ class EngineLoop(threading.Thread):
         self.deliver(self.step())
 
     def heartbeat(self):
-        if not STOPPED.is_set() and time.monotonic() - self.last_beat >= settings.TOKSTREAM_WORKER_TTL / 3:
+        if not STOPPED.is_set() and time.monotonic() - self.last_beat >= beat_interval():
             beat(self.redis, self.worker_id, self.model.name, *self.engine.load())
             self.last_beat = time.monotonic()
             self.report_drafts()
@@ -135,7 +135,8 @@ class EngineLoop(threading.Thread):
             claimed = list(self.claimed)
         cancelled, steering, states = streamlog.signals_among(self.redis, live)
         for request_id in claimed:
-            if holder(states.get(request_id)) != self.worker_id:
+            status = Status.from_redis(states.get(request_id))
+            if status is None or status.holder() != self.worker_id:
                 # Ended by a reader that thought this worker dead, or lost with Redis: nobody
                 # reads on, and another ending is already written or on its way. Told first
                 # (the first reason given stands): a client told of the loss leaves, and its

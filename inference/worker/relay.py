@@ -18,6 +18,7 @@ from inference.protocol.entries import Accepted, Delta, FinishReason, Refusal, T
 from inference.worker import slots
 
 log = logging.getLogger(__name__)
+CONNECT_TIMEOUT = 10.0  # seconds to connect to an upstream (and to write the request, and to get a pooled connection)
 READ_TIMEOUT = 120.0  # seconds without a byte from the upstream; an entry's "timeout_seconds" overrides it
 CANCEL_CHECK_SECONDS = 0.25
 CREDENTIALS_REFUSED = (401, 403, 407)  # our key for the upstream, not the client's: a 502
@@ -74,7 +75,7 @@ class Relay:
         key = os.environ.get(self.backend.entry.get("api_key_env") or "", "")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
-            timeout = httpx.Timeout(10.0, read=float(self.backend.entry.get("timeout_seconds", READ_TIMEOUT)))
+            timeout = httpx.Timeout(CONNECT_TIMEOUT, read=float(self.backend.entry.get("timeout_seconds", READ_TIMEOUT)))
             with httpx.Client(timeout=timeout) as http, http.stream("POST", url, json=body, headers=headers, extensions={"trace": watch.trace}) as response:
                 if response.status_code != 200:
                     return self.refused(response)

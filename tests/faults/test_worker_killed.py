@@ -13,7 +13,7 @@ from django.conf import settings
 
 from inference import lifecycle, streamlog
 from inference.models import PendingRequest
-from inference.protocol.payloads import GENERATE, holder
+from inference.protocol.payloads import GENERATE, Status
 from tests.conftest import separate_service
 from tests.faults.conftest import holds_back, queue_empty, rows_for
 from tests.faults.streams import body, record, record_many
@@ -36,7 +36,7 @@ def service(django_db_setup, django_db_blocker, redis_client):
 
 
 def states(client, request_ids):
-    return {r: client.get(lifecycle.state_key(r)) or "" for r in request_ids}
+    return {r: Status.from_redis(client.get(lifecycle.state_key(r))) for r in request_ids}
 
 
 def test_every_client_of_a_killed_worker_gets_its_end(service, budgeted):
@@ -106,7 +106,7 @@ def wait_until_running(client, ids, count, seconds=120):
     """Until `count` requests have produced text: their ids."""
 
     def producing():
-        running = [r for r, state in states(client, ids).items() if holder(state)]
+        running = [r for r, state in states(client, ids).items() if state and state.holder()]
         found = [r for r in running if client.xlen(streamlog.key(r, "log")) > 2]
         return found if len(found) >= count else None
 

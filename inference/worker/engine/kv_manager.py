@@ -31,7 +31,7 @@ class KVCacheManager:
     def never_fits(self, request):
         return self.worst_case(request) > self.pool.num_blocks
 
-    def admit(self, request, headroom=0):
+    def reserve(self, request, headroom=0):
         """Reuse cached prefix blocks, then take the blocks the sequence needs now, leaving
         `headroom` blocks for the running sequences to grow into; -> whether it fits. A
         preempted request comes back with its whole sequence to compute again."""

@@ -85,7 +85,7 @@ class Scheduler:
         this step's chunks."""
         self.drop_finished()
         plan = Plan(failed=self.make_room())
-        plan.failed += self.admit()
+        plan.failed += self.start_waiting()
         plan.scheduled = self.chunks()
         return plan
 
@@ -129,7 +129,7 @@ class Scheduler:
         self.running.remove(request)
         self.waiting.appendleft(request)
 
-    def admit(self):
+    def start_waiting(self):
         """Start waiting requests, first come first served; -> those that can never fit, with why."""
         refused = []
         while self.waiting and len(self.running) < self.max_running:
@@ -164,7 +164,7 @@ class Scheduler:
 
     def reserve(self, request):
         """Blocks for the request now, leaving a block for each running sequence to grow into."""
-        if not self.kv.admit(request, headroom=len(self.running)):
+        if not self.kv.reserve(request, headroom=len(self.running)):
             return False
         if not request.preemptions:
             request.cached_tokens = request.prefilled = request.computed
