@@ -35,7 +35,8 @@ MAX_ROUNDS = 8
 MARGIN = 0.10  # formats this close are a tie that noise could decide either way
 OUT_OF_REACH = 2.0  # a first look this many times slower than the fastest: not worth a quality measurement
 EVAL_CHUNK = 512
-METHOD = 3  # how the figures are taken; 2: through the KV cache's dtype each format gets; 3: a first look at speed
+EVAL_WINDOW = 1024  # tokens of context at most: attention over the whole text was half the measurement's time
+METHOD = 4  # how the figures are taken; 2: through the KV cache's dtype each format gets; 3: a first look at speed; 4: windows
 
 
 class Unmeasured(Exception):
@@ -112,7 +113,7 @@ def measure(model, tokenizer, device):
     """-> {"format", "formats": {fmt: figures}, "rounds", "measured_at"}."""
     formats = candidates(model, device)
     own = own_format(model)
-    worth, slower = within_reach(one_round(model, formats, device), own)
+    worth, slower = within_reach(one_round(model, formats, device, repeats=1), own)
     figures = {**qualities(model, tokenizer, device, worth), **slower}
     bound = figures[own]["perplexity"] * PERPLEXITY_BOUND
     allowed = [fmt for fmt in worth if figures[fmt]["row_invariant"] and figures[fmt]["perplexity"] <= bound] or [own]
@@ -162,10 +163,13 @@ def teacher_forced(model, tokenizer, device, fmt, kv_dtype="auto"):
     that the format gets, model_files.kv_dtype), every position's logits: [tokens - 1, V]."""
     ids = tokenizer.encode(EVAL_TEXT.read_text(), add_special_tokens=False)
     kv_dtype = getattr(torch, model_files.kv_dtype(kv_dtype, fmt, own_format(model)))
-    pool = BlockPool.for_model(model.config, len(ids) + 16, 16, kv_dtype, device)
-    runner = LlamaRunner(model, pool, device, max(len(ids) + 1, 2), fmt)
+    pool = BlockPool.for_model(model.config, EVAL_WINDOW + 16, 16, kv_dtype, device)
+    runner = LlamaRunner(model, pool, device, EVAL_WINDOW + 1, fmt)
     blocks = list(range(pool.num_blocks))
-    pieces = [runner.forward([Chunk(ids[s : s + EVAL_CHUNK], s, blocks, "eval", all_logits=True)]) for s in range(0, len(ids), EVAL_CHUNK)]
+    pieces = []
+    for window in range(0, len(ids), EVAL_WINDOW):  # each from an empty context, over the same blocks
+        text = ids[window : window + EVAL_WINDOW]
+        pieces += [runner.forward([Chunk(text[s : s + EVAL_CHUNK], s, blocks, "eval", all_logits=True)]) for s in range(0, len(text), EVAL_CHUNK)]
     return torch.cat(pieces)[:-1].float(), torch.tensor(ids[1:], device=device)
 
 
@@ -224,8 +228,8 @@ def clear_pick(timings):
     return next(fmt for fmt, times in timings.items() if score(times) <= (1 + MARGIN) * fastest)
 
 
-def one_round(model, formats, device):
-    return {fmt: [linears_time(LlamaWeights.of(model, fmt), batch, model, device) for batch in BATCHES] for fmt in formats}
+def one_round(model, formats, device, repeats=5):
+    return {fmt: [linears_time(LlamaWeights.of(model, fmt), batch, model, device, repeats) for batch in BATCHES] for fmt in formats}
 
 
 @torch.inference_mode()
