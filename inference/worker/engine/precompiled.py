@@ -39,13 +39,22 @@ def program(key, compile_program, cache_dir, f_globals):
     else:
         start = time.monotonic()
         loaded = compile_program()
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            loaded.save_compiled_function(str(path))  # written whole or not at all
-        log.info("compiled step: compiled in %.0f s%s", time.monotonic() - start, f", saved as {path}" if path else "")
+        saved = path is not None and save(loaded, path)
+        log.info("compiled step: compiled in %.0f s%s", time.monotonic() - start, f", saved as {path}" if saved else "")
     loaded.disable_guard_check()
     _programs[key] = loaded
     return loaded
+
+
+def save(program, path):
+    """Whether it was saved: a start that cannot write its data directory still runs compiled."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        program.save_compiled_function(str(path))  # written whole or not at all
+    except OSError as exc:
+        log.warning("the compiled step was not saved (the next start compiles it again): %s", exc)
+        return False
+    return True
 
 
 @contextmanager
