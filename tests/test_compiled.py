@@ -116,6 +116,7 @@ def worker_start(data_dir, settings, **env):
         "TOKSTREAM_CACHE_DIR": str(data_dir),
         "TOKSTREAM_MODEL_CACHE": str(settings.TOKSTREAM_MODEL_CACHE),
         "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "TOKSTREAM_COMPILE": "true",  # off by default (see its setting); these tests are of it
         **env,
     }
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(WORKER_START)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
