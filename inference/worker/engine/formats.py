@@ -6,8 +6,9 @@ model's own dtype on a fixed evaluation text (eval_text.txt, teacher-forced). Am
 `auto` takes the format whose linear layers run fastest for one stream and for 32 at once.
 The quality figures are taken through the KV cache's dtype that each format gets.
 Timings taken while something else holds the CPUs are not measurements, so the formats are
-timed in turns, round after round, until two rounds agree; the result is written to a file
-that every later start reads, and only `manage.py measure_weights` measures again.
+timed in turns, round after round, until a round leaves the pick from the best times as it
+was; the result is written to a file that every later start reads, and only
+`manage.py measure_weights` measures again.
 """
 
 import hashlib
@@ -208,13 +209,15 @@ def rows_invariant(weights, model, device, sizes=(1, 2, 3, 5, 8, 17, 40, 300)):
 
 def agreed_timings(model, formats, device):
     """({fmt: [seconds at each of BATCHES]}, the format picked, rounds): the best times of the
-    rounds, once two rounds in a row pick the same format. The formats take turns within a
-    round, so a load that comes and goes slows them alike."""
+    rounds, once a round leaves the pick from them as it was. The formats take turns within a
+    round, so a load that comes and goes slows them alike. The pick is made from the best times,
+    the figures kept: each round's own pick could settle on a format that the kept figures put
+    further than MARGIN behind the fastest."""
     best, previous = None, None
     for round_number in range(1, MAX_ROUNDS + 1):
         timings = one_round(model, formats, device)
         best = timings if best is None else {fmt: list(map(min, best[fmt], timings[fmt])) for fmt in formats}
-        pick = clear_pick(timings)
+        pick = clear_pick(best)
         if pick == previous:
             return best, pick, round_number
         previous = pick
