@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from inference.worker import engines
 from inference.worker.engine import Request, SamplingParams, compiled, formats
 from inference.worker.engine.runner import Chunk
 from tests.test_engine import NO_SPECIALS, chat, real_engine, run, text_of
@@ -33,11 +34,11 @@ def greedy_replies(engine, model, tokens=32):
     return [text_of(outputs, f"p{n}") for n in range(len(PROMPTS))]
 
 
-def test_every_shape_of_step_runs_through_one_program_precompiled_or_traced(model):
+def test_every_shape_of_step_runs_through_one_program_precompiled_or_traced(model, worker_saved):
     """The precompiled program runs without guards, so it must serve every shape a step takes
     with the numbers the guarded, traced one gives; and the traced one (CUDA's) must serve them
-    all without compiling again."""
-    engine = real_engine(model, weights="int4", compile=True)
+    all without compiling again. The precompiled one is the worker's, loaded from its file."""
+    engine = worker_engine(model, worker_saved, compile=True)
     assert engine.runner.compiled is not None and engine.runner.compiled.precompiled is not None
     traced = compiled.CompiledStep(engine.runner)  # no warm-up: torch.compile traces at its first step
     blocks = [list(range(k * 40, k * 40 + 40)) for k in range(8)]
@@ -61,17 +62,17 @@ def test_every_shape_of_step_runs_through_one_program_precompiled_or_traced(mode
 def test_compiled_and_eager_give_the_same_greedy_replies(model):
     """In float32 the two differ by rounding alone (about 1e-6 of a logit), so every greedy
     token agrees. (In int4, activations go through bfloat16, where a last-bit difference can
-    flip a rounding and, some tokens later, a near tie: there the two are held to the same
-    quality instead, below.)"""
+    flip a rounding and, some tokens later, a near tie: there the reduced formats are held to
+    the same quality instead, below.)"""
     eager = greedy_replies(real_engine(model, weights="float32"), model)
     assert greedy_replies(real_engine(model, weights="float32", compile=True), model) == eager
     assert all(len(reply) > 40 for reply in eager)
 
 
-def test_compiled_int4_reads_the_evaluation_text_as_well_as_eager_int4(model):
+def test_compiled_reads_the_evaluation_text_as_well_as_eager_in_the_workers_format(model, worker_saved):
     figures = {}
     for mode in ("eager", "compiled"):
-        engine = real_engine(model, weights="int4", cache_tokens=4096, compile=mode == "compiled")
+        engine = worker_engine(model, worker_saved, cache_tokens=4096, compile=mode == "compiled")
         logits, targets = teacher_forced(engine.runner, model.tokenizer)
         figures[mode] = (float(torch.nn.functional.cross_entropy(logits, targets).exp()), logits.argmax(-1))
     (eager, eager_picks), (compiled_, compiled_picks) = figures["eager"], figures["compiled"]
@@ -79,7 +80,7 @@ def test_compiled_int4_reads_the_evaluation_text_as_well_as_eager_int4(model):
     assert (compiled_picks == eager_picks).float().mean() > 0.97
 
 
-def teacher_forced(runner, tokenizer, window=256, windows=4):
+def teacher_forced(runner, tokenizer, window=256, windows=2):
     """Logits along the evaluation text, in windows each read from an empty context: the compiled
     step's attention costs per row and key (docs/architecture.md), so short contexts keep it quick."""
     ids = tokenizer.encode(formats.EVAL_TEXT.read_text(), add_special_tokens=False)[: window * windows]
@@ -118,7 +119,7 @@ def worker_start(data_dir, settings, **env):
         "TOKSTREAM_CACHE_DIR": str(data_dir),
         "TOKSTREAM_MODEL_CACHE": str(settings.TOKSTREAM_MODEL_CACHE),
         "DJANGO_SETTINGS_MODULE": "tests.settings",
-        "TOKSTREAM_COMPILE": "true",  # off by default (see its setting); these tests are of it
+        "TOKSTREAM_COMPILE": "true",  # as shipped, and whatever the environment says: these tests are of it
         **env,
     }
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(WORKER_START)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
@@ -127,10 +128,27 @@ def worker_start(data_dir, settings, **env):
     return done.stdout, done.stderr.splitlines()
 
 
-def test_a_restart_loads_the_step_the_first_start_compiled_and_saved(tmp_path, settings):
-    out, first = worker_start(tmp_path, settings)
+@pytest.fixture(scope="module")
+def worker_saved(tmp_path_factory):
+    """The data directory of a worker's first start, which compiled its step and saved it (the
+    module's other compiled engines load that program rather than compile it again)."""
+    from django.conf import settings
+
+    data_dir = tmp_path_factory.mktemp("data")
+    out, first = worker_start(data_dir, settings)
     assert "compiled: True" in out and any("compiled step: compiled in" in line and "saved as" in line for line in first), first[-20:]
-    out, again = worker_start(tmp_path, settings)
+    return data_dir
+
+
+def worker_engine(model, data_dir, **options):
+    """An engine in the weight format the worker runs (`auto`'s choice here), its compiled step
+    the one that worker saved in `data_dir`."""
+    fmt = formats.chosen(model.model, model.tokenizer, model.device, engines.formats_file(model))
+    return real_engine(model, weights=fmt, compile_cache=data_dir / "compiled", **options)
+
+
+def test_a_restart_loads_the_step_the_first_start_compiled_and_saved(worker_saved, settings):
+    out, again = worker_start(worker_saved, settings)
     assert "compiled: True" in out and any("compiled step: loaded" in line for line in again), again[-20:]
     assert not any("did not load" in line or "compiled in" in line for line in again), again[-20:]
 

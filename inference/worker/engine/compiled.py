@@ -7,9 +7,10 @@ and the matrix products stay the weight format's own kernels (llama.py).
 
 One program serves every step, whatever it carries: decodes, pieces of prompts, drafts to
 verify. Each token is a row with its own position and its own sequence's block table, and
-attention is written as a gather and two sums over that row's keys, which inductor turns into
-loops whose result for a row depends on that row alone: not on how many rows travel with it,
-nor on how far the widest table is padded (tests/test_compiled.py). So a reply does not depend
+its attention reads that row's keys alone: on the CPU through a C++ operator
+(paged_attention.py), elsewhere as a gather and two sums that inductor writes as kernels. A
+row's result depends on that row alone: not on how many rows travel with it, nor on how far
+the widest table is padded (tests/test_invariance.py, tests/test_paged_attention.py). So a reply does not depend
 on what else ran beside it, and a token's keys and values come out the same whether they were
 computed in a prompt, after a preemption, or in a decode step (the one numeric path of
 issue 21).
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import formats, llama, precompiled
+from . import formats, llama, paged_attention, precompiled
 from .llama import rms_norm, rotate
 from .runner import Chunk
 
@@ -93,7 +94,15 @@ def bucket(size, smallest):
 def attend(q, k_cache, v_cache, tables, positions, shape):
     """q: [N, Hq, D]; caches: [slots, Hkv, D]; tables: [N, W]; positions: [N] -> [N, Hq * D].
     Every row against its own keys up to its position; the positions it does not see weigh
-    exactly zero, so padding a table changes nothing."""
+    exactly zero, so padding a table changes nothing. On the CPU, the C++ operator of
+    paged_attention.py; elsewhere, a gather and two sums that inductor writes as kernels."""
+    if q.device.type == "cpu":
+        return torch.ops.tokstream.paged_attention(q.float(), k_cache, v_cache, tables, positions, shape.block_size)
+    return gathered(q, k_cache, v_cache, tables, positions, shape)
+
+
+def gathered(q, k_cache, v_cache, tables, positions, shape):
+    """attend() as a gather of each row's keys and two sums over them."""
     n, size = len(q), shape.block_size
     width = tables.shape[1] * size
     slots = (tables[:, :, None] * size + torch.arange(size, device=q.device)).reshape(n, width)  # [N, C]
@@ -184,6 +193,8 @@ class CompiledStep:
         self.cache_dir = cache_dir
         self.device = torch.device(runner.device)
         self.cuda = self.device.type == "cuda"
+        if self.device.type == "cpu":
+            paged_attention.load(cache_dir)
         self.bucketed = self.cuda if bucketed is None else bucketed  # CUDA graphs need a few fixed sizes
         self.pool = runner.pool
         self.program = PROGRAMS[self.device.type]
@@ -243,6 +254,7 @@ class CompiledStep:
             self.device.type,
             formats.cpu_description(),
             *(Path(module.__file__).read_text() for module in (sys.modules[__name__], llama)),
+            paged_attention.SOURCE.read_text(),
             repr(self.shape),
             repr([layer.signature() for layer in w.layers] + [w.lm_head.signature()]),
             str(self.pool.dtype),
