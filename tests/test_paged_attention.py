@@ -60,3 +60,17 @@ def test_a_cache_of_another_dtype_is_refused_clearly():
     q, k, v, tables, positions = step(torch.float32)
     with pytest.raises(RuntimeError, match="not supported"):
         run(q, k.double(), v.double(), tables, positions)
+
+
+def test_a_position_or_a_block_outside_the_cache_is_refused_not_read():
+    q, k, v, tables, positions = step(torch.float32)
+    past_table = positions.clone()
+    past_table[3] = tables.shape[1] * SHAPE.block_size
+    with pytest.raises(RuntimeError, match="outside its row's table"):
+        run(q, k, v, tables, past_table)
+    with pytest.raises(RuntimeError, match="outside its row's table"):
+        run(q, k, v, tables, positions - 1)  # the first row's position becomes -1
+    past_cache = tables.clone()
+    past_cache[2, 0] = BLOCKS
+    with pytest.raises(RuntimeError, match="past the cache"):
+        run(q, k, v, past_cache, positions)

@@ -108,6 +108,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const auto tc = tables.contiguous(), pc = positions.contiguous();
   const Sizes s{q.size(1), k_cache.size(1), q.size(2), tables.size(1), block_size};
   TORCH_CHECK(s.heads % s.kv_heads == 0 && k_cache.size(2) == s.dim, "heads and dims of q and the caches disagree");
+  // A position past its table, or a block past the cache, would read memory that is not the cache.
+  TORCH_CHECK(positions.numel() == tables.size(0), "one position for each row of the tables");
+  TORCH_CHECK(q.size(0) == 0 || (positions.min().item<int64_t>() >= 0 && positions.max().item<int64_t>() < s.width * s.block),
+              "a position outside its row's table");
+  TORCH_CHECK(tables.numel() == 0 || (tables.min().item<int64_t>() >= 0 && tables.max().item<int64_t>() < k_cache.size(0) / s.block),
+              "a block past the cache");
   auto out = at::empty({q.size(0), s.heads * s.dim}, q.options());
   switch (k_cache.scalar_type()) {
     case at::kFloat: attend_rows<float>(qc, kc, vc, tc, pc, out, s); break;
