@@ -42,8 +42,20 @@ inline float dot(const float* a, const float* b, int64_t size) {
 }
 
 struct Sizes {
-  int64_t heads, kv_heads, dim, width, block;
+  int64_t heads, kv_heads, dim, width, block, blocks;
 };
+
+template <typename T>
+inline const T* at_position(const T* cache, const int64_t* table, int64_t c, const Sizes& s) {
+  return cache + (table[c / s.block] * s.block + c % s.block) * s.kv_heads * s.dim;
+}
+
+// A position past its table, or a block past the cache, would read memory that is not the
+// cache: checked for the blocks a row reads, before it reads them (a failed check fails the step).
+inline void check_row(const int64_t* table, int64_t position, const Sizes& s) {
+  TORCH_CHECK(position >= 0 && position < s.width * s.block, "a position outside its row's table");
+  for (int64_t b = 0; b <= position / s.block; ++b) TORCH_CHECK(table[b] >= 0 && table[b] < s.blocks, "a block past the cache");
+}
 
 // One row and one KV head: the `group` query heads that read it.
 template <typename T>
@@ -53,8 +65,7 @@ void attend_one(const float* q, const T* k, const T* v, const int64_t* table, in
   scores.resize(group * seen);
   row.resize(dim);
   for (int64_t c = 0; c < seen; ++c) {
-    const int64_t slot = table[c / s.block] * s.block + c % s.block;
-    widen(k + slot * s.kv_heads * dim, row.data(), dim);
+    widen(at_position(k, table, c, s), row.data(), dim);
     for (int64_t h = 0; h < group; ++h) scores[h * seen + c] = dot(q + h * dim, row.data(), dim) * scale;
   }
   for (int64_t h = 0; h < group; ++h) {
@@ -66,8 +77,7 @@ void attend_one(const float* q, const T* k, const T* v, const int64_t* table, in
     std::fill(out + h * dim, out + (h + 1) * dim, 0.0f);
   }
   for (int64_t c = 0; c < seen; ++c) {
-    const int64_t slot = table[c / s.block] * s.block + c % s.block;
-    widen(v + slot * s.kv_heads * dim, row.data(), dim);
+    widen(at_position(v, table, c, s), row.data(), dim);
     for (int64_t h = 0; h < group; ++h) {
       const float weight = scores[h * seen + c];
       float* target = out + h * dim;
@@ -92,6 +102,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n = i / s.kv_heads, g = i % s.kv_heads;
       const int64_t first = (n * s.heads + g * group) * s.dim;
+      check_row(td + n * s.width, pd[n], s);
       attend_one(qd + first, kd + g * s.dim, vd + g * s.dim, td + n * s.width, pd[n], od + first, s, scale, scores, row);
     }
   });
@@ -106,14 +117,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(tables.scalar_type() == at::kLong && positions.scalar_type() == at::kLong, "tables and positions: int64");
   const auto qc = q.contiguous(), kc = k_cache.contiguous(), vc = v_cache.contiguous();
   const auto tc = tables.contiguous(), pc = positions.contiguous();
-  const Sizes s{q.size(1), k_cache.size(1), q.size(2), tables.size(1), block_size};
+  const Sizes s{q.size(1), k_cache.size(1), q.size(2), tables.size(1), block_size, k_cache.size(0) / block_size};
   TORCH_CHECK(s.heads % s.kv_heads == 0 && k_cache.size(2) == s.dim, "heads and dims of q and the caches disagree");
-  // A position past its table, or a block past the cache, would read memory that is not the cache.
-  TORCH_CHECK(positions.numel() == tables.size(0), "one position for each row of the tables");
-  TORCH_CHECK(q.size(0) == 0 || (positions.min().item<int64_t>() >= 0 && positions.max().item<int64_t>() < s.width * s.block),
-              "a position outside its row's table");
-  TORCH_CHECK(tables.numel() == 0 || (tables.min().item<int64_t>() >= 0 && tables.max().item<int64_t>() < k_cache.size(0) / s.block),
-              "a block past the cache");
+  TORCH_CHECK(positions.numel() == q.size(0) && tables.size(0) == q.size(0), "one position and one table for each row");
   auto out = at::empty({q.size(0), s.heads * s.dim}, q.options());
   switch (k_cache.scalar_type()) {
     case at::kFloat: attend_rows<float>(qc, kc, vc, tc, pc, out, s); break;
