@@ -5,7 +5,7 @@ its table is padded and however many threads run it."""
 import pytest
 import torch
 
-from inference.worker.engine import compiled, paged_attention
+from inference.worker.engine import compiled, cpu_ops
 
 SHAPE = compiled.Shape(heads=9, kv_heads=3, head_dim=64, block_size=16, eps=1e-5)
 BLOCKS = 40
@@ -13,7 +13,7 @@ BLOCKS = 40
 
 @pytest.fixture(scope="module", autouse=True)
 def operator(tmp_path_factory):
-    paged_attention.load(tmp_path_factory.mktemp("compiled"))
+    cpu_ops.load(tmp_path_factory.mktemp("compiled"))
 
 
 def step(dtype, rows=12, seed=0):

@@ -8,7 +8,7 @@ import pytest
 
 from inference.worker import engines
 from inference.worker.engine import formats
-from inference.worker.engine.llama import Int4, Int8, LlamaWeights
+from inference.worker.engine.llama import Int4, Int8, LlamaWeights, OwnInt4
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def report(model):
 
 def test_int4_keeps_the_4_bit_matrices_of_the_gguf_and_gives_the_embedding_int8(model):
     weights = LlamaWeights(model.model, "int4")
-    assert all(isinstance(layer.gate_up, Int4) and layer.gate_up.error < 0.01 for layer in weights.layers)
+    assert all(isinstance(layer.gate_up, (Int4, OwnInt4)) and layer.gate_up.error < 0.01 for layer in weights.layers)
     assert isinstance(weights.lm_head, Int8)  # 6-bit in the GGUF: 4 bits would lose too much
 
 

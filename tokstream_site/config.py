@@ -188,7 +188,7 @@ class Models:
     dtype: str = setting("TOKSTREAM_DTYPE", choice("auto", "float32", "bfloat16", "float16"), "auto", "the model's activations and KV cache: `auto` is float32 on the CPU, bfloat16 (or float16) on CUDA")
     weights: str = setting(
         "TOKSTREAM_WEIGHTS", choice("auto", "float32", "bfloat16", "float16", "int8", "int4"), "auto",
-        "the format the engine's matrix products read the weights in: `float32`, `bfloat16`, `float16`, `int8` or `int4` (weight-only, CPU); `auto` reads the choice measured once on this machine (`make model`, `manage.py measure_weights`), the fastest within 5% of float32's perplexity (on CUDA: the model's dtype). See [docs/weights.md](docs/weights.md)",
+        "the format the engine's matrix products read the weights in: `float32`, `bfloat16`, `float16`, `int8` or `int4` (CPU: the engine's own C++ operators, which round activations to int8 in groups of 32 as llama.cpp does); `auto` reads the choice measured once on this machine (`make model`, `manage.py measure_weights`), the fastest within 5% of float32's perplexity (on CUDA: the model's dtype). See [docs/weights.md](docs/weights.md)",
     )
     kv_dtype: str = setting(
         "TOKSTREAM_KV_DTYPE", choice("auto", "float32", "bfloat16", "float16"), "auto",
@@ -214,7 +214,7 @@ class Engine:
     default_max_tokens: int = setting("TOKSTREAM_DEFAULT_MAX_TOKENS", integer(1), 1024, "completion budget when a request gives none", "tokens")
     compile: bool = setting(
         "TOKSTREAM_COMPILE", boolean, True,
-        "run every step of the engine compiled (`torch.compile`, with a C++ attention operator on the CPU; CUDA graphs on a GPU): the first start on a machine builds and compiles (about 40 s here), later ones load both from `$TOKSTREAM_CACHE_DIR/compiled` in about a second; where compiling fails the engine runs eager and the worker logs why. Here a decode step takes 0.6 to 0.9 of eager's time, a prompt piece 1.15 ([docs/architecture.md](docs/architecture.md))",
+        "run every step of the engine compiled (`torch.compile`, with C++ operators on the CPU; CUDA graphs on a GPU): the first start on a machine builds and compiles (about 40 s here), later ones load both from `$TOKSTREAM_CACHE_DIR/compiled` in about a second; where compiling fails the engine runs eager and the worker logs why. Here a decode step takes 0.6 to 0.9 of eager's time, a prompt piece 1.15 ([docs/architecture.md](docs/architecture.md))",
     )
 
 

@@ -17,7 +17,7 @@ from django.conf import settings
 from inference import backends, metrics, registry, streamlog
 from inference.protocol.payloads import Status
 from inference.worker.beats import STOPPED, UpstreamBeat, beat, beat_interval, worker_id
-from inference.worker.engine import Engine, Request, SamplingParams, choices, loader
+from inference.worker.engine import Engine, Request, SamplingParams, choices, cpu_ops, loader
 from inference.worker.engine.llama import LlamaRunner, drop_model_matrices
 
 log = logging.getLogger(__name__)
@@ -232,7 +232,10 @@ def load(name, device=None):
     if backends.of(name).engine == "echo":
         step_seconds = registry.entry(name).get("step_ms", 0) / 1000
         return loader.load_echo(name, registry.folder(name), step_seconds)
-    return loader.load(name, registry.folder(name), device or devices()[0], settings.TOKSTREAM_DTYPE)
+    lm = loader.load(name, registry.folder(name), device or devices()[0], settings.TOKSTREAM_DTYPE)
+    if lm.device.type == "cpu":  # built before any weights are laid out: the int8 format computes with them
+        cpu_ops.available(settings.CACHE_DIR / "compiled")
+    return lm
 
 
 def engine_loop(name):

@@ -8,7 +8,7 @@ and the matrix products stay the weight format's own kernels (llama.py).
 One program serves every step, whatever it carries: decodes, pieces of prompts, drafts to
 verify. Each token is a row with its own position and its own sequence's block table, and
 its attention reads that row's keys alone: on the CPU through a C++ operator
-(paged_attention.py), elsewhere as a gather and two sums that inductor writes as kernels. A
+(paged_attention.cpp, cpu_ops.py), elsewhere as a gather and two sums that inductor writes as kernels. A
 row's result depends on that row alone: not on how many rows travel with it, nor on how far
 the widest table is padded (tests/test_invariance.py, tests/test_paged_attention.py). So a reply does not depend
 on what else ran beside it, and a token's keys and values come out the same whether they were
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import formats, llama, paged_attention, precompiled
+from . import cpu_ops, formats, llama, precompiled
 from .llama import rms_norm, rotate
 from .runner import Chunk
 
@@ -95,7 +95,7 @@ def attend(q, k_cache, v_cache, tables, positions, shape):
     """q: [N, Hq, D]; caches: [slots, Hkv, D]; tables: [N, W]; positions: [N] -> [N, Hq * D].
     Every row against its own keys up to its position; the positions it does not see weigh
     exactly zero, so padding a table changes nothing. On the CPU, the C++ operator of
-    paged_attention.py; elsewhere, a gather and two sums that inductor writes as kernels."""
+    paged_attention.cpp; elsewhere, a gather and two sums that inductor writes as kernels."""
     if q.device.type == "cpu":
         return torch.ops.tokstream.paged_attention(q.float(), k_cache, v_cache, tables, positions, shape.block_size)
     return gathered(q, k_cache, v_cache, tables, positions, shape)
@@ -125,12 +125,13 @@ def layer_step(model, shape):
     def step(x, cos, sin, k_cache, v_cache, slots, tables, positions, input_norm, post_norm, *tensors):
         n, dim = len(x), shape.head_dim
         qkv, o, gate_up, down = split(tensors, counts)
-        sizes = (shape.heads * dim, shape.kv_heads * dim, shape.kv_heads * dim)
-        q, k, v = model.qkv.apply(rms_norm(x, input_norm, shape.eps), *qkv).split(sizes, dim=-1)
-        q = rotate(q.view(n, shape.heads, dim), cos, sin)
-        k = rotate(k.view(n, shape.kv_heads, dim), cos, sin)
+        heads = (shape.heads, shape.kv_heads, shape.kv_heads)
+        # Heads viewed before the split: a view of one part of the split would have to prove
+        # to the compiler that the step has more than one row, or compile for one.
+        q, k, v = model.qkv.apply(rms_norm(x, input_norm, shape.eps), *qkv).view(n, sum(heads), dim).split(heads, dim=1)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k_cache.index_put_((slots,), k.to(k_cache.dtype))
-        v_cache.index_put_((slots,), v.view(n, shape.kv_heads, dim).to(v_cache.dtype))
+        v_cache.index_put_((slots,), v.to(v_cache.dtype))
         x = x + model.o.apply(attend(q, k_cache, v_cache, tables, positions, shape).to(x.dtype), *o)
         gate, up = model.gate_up.apply(rms_norm(x, post_norm, shape.eps), *gate_up).chunk(2, dim=-1)
         return x + model.down.apply(F.silu(gate) * up, *down)
@@ -194,7 +195,7 @@ class CompiledStep:
         self.device = torch.device(runner.device)
         self.cuda = self.device.type == "cuda"
         if self.device.type == "cpu":
-            paged_attention.load(cache_dir)
+            cpu_ops.load(cache_dir)
         self.bucketed = self.cuda if bucketed is None else bucketed  # CUDA graphs need a few fixed sizes
         self.pool = runner.pool
         self.program = PROGRAMS[self.device.type]
@@ -254,7 +255,7 @@ class CompiledStep:
             self.device.type,
             formats.cpu_description(),
             *(Path(module.__file__).read_text() for module in (sys.modules[__name__], llama)),
-            paged_attention.SOURCE.read_text(),
+            cpu_ops.key(),
             repr(self.shape),
             repr([layer.signature() for layer in w.layers] + [w.lm_head.signature()]),
             str(self.pool.dtype),

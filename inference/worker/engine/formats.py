@@ -37,7 +37,7 @@ MARGIN = 0.10  # formats this close are a tie that noise could decide either way
 OUT_OF_REACH = 2.0  # a first look this many times slower than the fastest: not worth a quality measurement
 EVAL_CHUNK = 512
 EVAL_WINDOW = 1024  # tokens of context at most: attention over the whole text was half the measurement's time
-METHOD = 4  # how the figures are taken; 2: through the KV cache's dtype each format gets; 3: a first look at speed; 4: windows
+METHOD = 6  # how the figures are taken; 2: through the KV cache's dtype each format gets; 3: a first look at speed; 4: windows; 5: int8 through the engine's own operator; 6: its integer products
 
 
 class Unmeasured(Exception):
@@ -118,6 +118,7 @@ def measure(model, tokenizer, device):
     figures = {**qualities(model, tokenizer, device, worth), **slower}
     bound = figures[own]["perplexity"] * PERPLEXITY_BOUND
     allowed = [fmt for fmt in worth if figures[fmt]["row_invariant"] and figures[fmt]["perplexity"] <= bound] or [own]
+    allowed.sort(key=lambda fmt: figures[fmt]["perplexity"])  # a near tie in speed goes to the less perplexed
     timings, best, rounds = agreed_timings(model, allowed, device)
     for fmt, times in timings.items():
         figures[fmt]["ms_per_step"] = {str(b): round(t * 1e3, 2) for b, t in zip(BATCHES, times)}
@@ -225,8 +226,9 @@ def agreed_timings(model, formats, device):
 
 
 def clear_pick(timings):
-    """The fastest format; among formats within MARGIN of it, the first in candidates' order,
-    so that a near tie decided by noise picks the same format every round."""
+    """The fastest format; among formats within MARGIN of it, the first in the order given (the
+    least perplexed first: measure), so that a near tie decided by noise picks the same format
+    every round."""
     fastest = min(score(times) for times in timings.values())
     return next(fmt for fmt, times in timings.items() if score(times) <= (1 + MARGIN) * fastest)
 

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from inference.model_files import head_dim_of
 
+from . import cpu_ops
+from .cpu_ops import BLOCK
 from .runner import AttentionPlan, PagedAttention
 
 INT4_GROUP = 32  # the GGUF's own Q4_1 blocks are 32 weights with a scale and a minimum
@@ -68,7 +70,8 @@ class Dense(Linear):
 
 
 class Int8(Linear):
-    """Weight-only int8, one scale per output row; the CPU kernel wants bfloat16 activations."""
+    """Weight-only int8, one scale per output row, through torch's kernel: it wants bfloat16
+    activations."""
 
     act_dtype = torch.bfloat16
 
@@ -76,7 +79,7 @@ class Int8(Linear):
         weight = weight.float()
         scale = weight.abs().amax(1).clamp(min=1e-8) / 127
         self.weight = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-        self.scale = scale.to(torch.bfloat16)
+        self.scale = scale.to(self.act_dtype)
 
     def weights(self):
         return self.weight, self.scale
@@ -84,6 +87,53 @@ class Int8(Linear):
     @staticmethod
     def mm(x, weight, scale):
         return torch._weight_int8pack_mm(x, weight, scale)
+
+
+def fits_operators(weight):
+    return weight.device.type == "cpu" and weight.shape[1] % INT4_GROUP == 0 and weight.shape[0] % BLOCK == 0 and cpu_ops.available()
+
+
+def by_lanes(values):
+    """[out, in] -> [out / 8, in / 32, 8, 8, 4], the CPU operators' layout: for each block of
+    eight outputs and group of 32 inputs, vector k holds each output's inputs 4k to 4k + 3,
+    one output to a lane of four bytes, so that a lane's multiply-adds are its output's own."""
+    out, inputs = values.shape
+    return values.reshape(out // BLOCK, BLOCK, inputs // INT4_GROUP, 8, 4).permute(0, 2, 3, 1, 4)
+
+
+def from_lanes(lanes):
+    """by_lanes undone: [out / 8, in / 32, 8, 8, 4] -> [out, in]."""
+    blocks, groups = lanes.shape[:2]
+    return lanes.permute(0, 3, 1, 2, 4).reshape(blocks * BLOCK, groups * INT4_GROUP)
+
+
+def groups_by_lanes(values):
+    """[out, groups] -> [out / 8, groups, 8]: a block's eight outputs side by side for each group."""
+    return values.reshape(len(values) // BLOCK, BLOCK, -1).permute(0, 2, 1).contiguous()
+
+
+class OwnInt8(Int8):
+    """The same weights through the engine's own CPU operator (quantized_linear.cpp): x in
+    groups of 32 quantized to int8 as llama.cpp does, and integer products against the weights
+    laid out in blocks of eight outputs (by_lanes). torch's kernel converts every activation to
+    bfloat16 and multiplies in floats, at a fraction of the speed."""
+
+    act_dtype = torch.float32
+
+    def __init__(self, weight):
+        super().__init__(weight)
+        lanes = by_lanes(self.weight)
+        self.weight = lanes.reshape(*lanes.shape[:2], -1).contiguous()
+
+    fits = staticmethod(fits_operators)
+
+    def dense(self):
+        """The weights the layer multiplies by, [out, in] float64 (for tests and benchmarks)."""
+        return from_lanes(self.weight.reshape(*self.weight.shape[:2], 8, BLOCK, 4)).double() * self.scale.double()[:, None]
+
+    @staticmethod
+    def mm(x, weight, scale):
+        return torch.ops.tokstream.int8_linear(x, weight, scale)
 
 
 class Int4(Linear):
@@ -117,14 +167,53 @@ class Int4(Linear):
         return torch._weight_int4pack_mm_for_cpu(x, weight, INT4_GROUP, scales)
 
 
+class OwnInt4(Linear):
+    """Int4 in the GGUF's Q4_1 groups (32 inputs, each with a float16 scale and minimum, as the
+    GGUF keeps them) through the engine's own CPU operator: x quantized to int8 in groups of
+    32 as llama.cpp does, and integer products against the codes laid out in blocks of eight
+    outputs (by_lanes), two to a byte. A weight is read in five eighths of a byte."""
+
+    act_dtype = torch.float32
+
+    def __init__(self, weight):
+        rows, cols = weight.shape
+        groups = weight.float().reshape(rows, cols // INT4_GROUP, INT4_GROUP)
+        low = groups.amin(-1, keepdim=True).half().float()
+        scale = ((groups.amax(-1, keepdim=True) - low) / 15).clamp(min=2**-14).half().float()  # 2**-14: float16's smallest full-precision number
+        codes = ((groups - low) / scale).round().clamp(0, 15).to(torch.uint8)
+        restored = (codes * scale + low).reshape(rows, cols)
+        self.error = float((restored - weight).norm() / weight.float().norm().clamp(min=1e-8))
+        lanes = by_lanes(codes.reshape(rows, cols))  # vectors 0 to 3 in the low halves, 4 to 7 in the high
+        self.codes = (lanes[:, :, :4] | (lanes[:, :, 4:] << 4)).reshape(rows // BLOCK, cols // INT4_GROUP, -1).contiguous()
+        self.scales, self.minimums = (groups_by_lanes(t.reshape(rows, -1).half()) for t in (scale, low))
+
+    fits = staticmethod(fits_operators)
+
+    def weights(self):
+        return self.codes, self.scales, self.minimums
+
+    def dense(self):
+        """The weights the layer multiplies by, [out, in] float64 (for tests and benchmarks)."""
+        packed = self.codes.reshape(*self.codes.shape[:2], 4, BLOCK, 4)
+        codes = from_lanes(torch.cat([packed & 15, packed >> 4], 2)).double()
+        scales, minimums = (t.permute(0, 2, 1).reshape(len(codes), -1, 1).double() for t in (self.scales, self.minimums))
+        return (codes.reshape(scales.shape[0], -1, INT4_GROUP) * scales + minimums).reshape(codes.shape)
+
+    @staticmethod
+    def mm(x, codes, scales, minimums):
+        return torch.ops.tokstream.int4_linear(x, codes, scales, minimums)
+
+
 def linear(weight, fmt, bias=None):
     """weight: [out, in] in the model's dtype -> a Linear in `fmt`."""
+    int8 = OwnInt8 if OwnInt8.fits(weight) else Int8
     if fmt == "int8":
-        layer = Int8(weight)
+        layer = int8(weight)
     elif fmt == "int4":
-        layer = Int4(weight) if Int4.fits(weight) else None
+        int4 = OwnInt4 if OwnInt4.fits(weight) else Int4 if Int4.fits(weight) else None
+        layer = int4 and int4(weight)
         if layer is None or layer.error > INT4_MAX_ERROR:  # a shape the kernel cannot take, or too coarse
-            layer = Int8(weight)
+            layer = int8(weight)
     else:
         layer = Dense(weight, getattr(torch, fmt))
     layer.bias, layer.in_features = bias, weight.shape[1]

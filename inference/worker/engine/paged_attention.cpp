@@ -1,4 +1,4 @@
-// Attention for the compiled CPU step (paged_attention.py): each row against its own
+// Attention for the compiled CPU step (cpu_ops.py): each row against its own
 // sequence's keys, read through its block table, up to its own position.
 //
 // A row's result depends on that row alone: rows run independently, and every sum runs in an
@@ -132,7 +132,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 }  // namespace
 
-TORCH_LIBRARY(tokstream, m) {
+TORCH_LIBRARY_FRAGMENT(tokstream, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor positions, int block_size) -> Tensor");
 }
 
