@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import cpu_ops, formats, llama, precompiled
+from . import cpu_ops, llama, precompiled
 from .llama import rms_norm, rotate
 from .runner import Chunk
 
@@ -253,7 +253,7 @@ class CompiledStep:
         parts = [
             torch.__version__,
             self.device.type,
-            formats.cpu_description(),
+            cpu_ops.cpu_description(),
             *(Path(module.__file__).read_text() for module in (sys.modules[__name__], llama)),
             cpu_ops.key(),
             repr(self.shape),

@@ -16,6 +16,7 @@ bench/step_shapes.py and bench/linears.py measure them against what they replace
 import hashlib
 import logging
 import os
+import platform
 import subprocess
 import tempfile
 import time
@@ -55,9 +56,17 @@ def available(cache_dir=None):
     return True
 
 
-def key():
-    from .formats import cpu_description
+def cpu_description():
+    """The CPU and its instruction sets, as far as this machine says."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu += Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0]
+    except (OSError, IndexError):
+        pass
+    return cpu
 
+
+def key():
     parts = [*(source.read_text() for source in SOURCES), torch.__version__, cpu_description(), os.environ.get("CXX", "g++")]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 

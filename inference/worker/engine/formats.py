@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 
 from inference import model_files
 
+from .cpu_ops import cpu_description
 from .kv_cache import BlockPool
 from .llama import FORMATS, LlamaRunner, LlamaWeights
 from .runner import Chunk
@@ -55,16 +55,6 @@ def candidates(model, device):
     if device.type != "cpu":
         return [own]
     return list(dict.fromkeys([own, "float32", "bfloat16", "int8", "int4"]))
-
-
-def cpu_description():
-    """The CPU and its instruction sets, as far as this machine says."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu += Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0]
-    except (OSError, IndexError):
-        pass
-    return cpu
 
 
 def machine_key(model, device):
