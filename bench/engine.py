@@ -162,7 +162,7 @@ def burst(lm, tokens, running=4, arrivals=32):
     while any(r.first_token_at is None for r in newcomers):
         decoding = sum(1 for r in engine.scheduler.running if r.output_ids)
         gaps += timed_steps(engine, 1)
-        plain = engine.step_cost.decode.at(decoding)
+        plain = engine.step_cost.plain(decoding)
         over_plain.append(gaps[-1] / plain if plain else 1.0)
     ttfts = sorted(r.first_token_at - r.arrived_at for r in newcomers)
     return ttfts[len(ttfts) // 2], ttfts[int(len(ttfts) * 0.95)], max(gaps) / usual, max(over_plain)

@@ -208,7 +208,7 @@ class Engine:
     )
     step_tokens: int = setting(
         "TOKSTREAM_STEP_TOKENS", integer(1), 24,
-        "prompt tokens per step while others decode, when no prompt waits for its first token: a long prompt is prefilled in pieces so running streams keep their pace (while prompts wait, the budget grows: [docs/architecture.md](docs/architecture.md))",
+        "prompt tokens per step while others decode, when no prompt waits for its first token (fewer, down to 16, where that many would make a step slower than 2.5 plain ones): a long prompt is prefilled in pieces so running streams keep their pace (while prompts wait, the budget grows: [docs/architecture.md](docs/architecture.md))",
         "tokens",
     )
     default_max_tokens: int = setting("TOKSTREAM_DEFAULT_MAX_TOKENS", integer(1), 1024, "completion budget when a request gives none", "tokens")

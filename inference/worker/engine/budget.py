@@ -4,6 +4,7 @@ A step that carries prompt tokens is slower for everyone decoding in it. A small
 their inter-token gap steady but makes requests that arrive together wait for each other's
 prompts; so the budget grows while prompts wait, and more the longer they have waited, up to
 what keeps a step within GAP_BOUND times a plain decode step, by the step times measured here.
+The steady budget keeps within that bound too, but never under MIN_PREFILL_TOKENS.
 """
 
 MIN_PREFILL_TOKENS = 16  # a step's prefill share however many decode: waiting prompts still advance
@@ -48,28 +49,34 @@ class Line:
 
 
 class StepCost:
-    """What a step costs, from the steps measured: by its decoding rows (a token or a draft
-    each) in steps without prompt tokens, and by its prompt tokens beyond that."""
+    """What a step costs, from the steps measured: a line over its rows, a decoding sequence's
+    token (or draft) and a prompt token alike. Each is a row through the same matrix products,
+    and those cost the same per row (attention over a long context aside, which the decay of
+    earlier steps follows); fitted over every step, the line knows wide steps from a burst's
+    prompts before any plain step that wide was seen."""
 
     def __init__(self):
-        self.decode, self.prefill = Line(), Line()
+        self.rows = Line()
 
     def add(self, decode_rows, prompt_tokens, seconds):
-        if not prompt_tokens:
-            self.decode.add(decode_rows, clipped(seconds, self.decode, decode_rows))
-        elif (plain := self.decode.at(decode_rows)) is not None:
-            self.prefill.add(prompt_tokens, clipped(max(seconds - plain, 0.0), self.prefill, prompt_tokens))
+        rows = decode_rows + prompt_tokens
+        self.rows.add(rows, clipped(seconds, self.rows, rows))
+
+    def plain(self, decoding):
+        """A step of `decoding` sequences with no prompt tokens; None before 3 steps."""
+        return self.rows.at(decoding)
 
     def tokens_within(self, bound, decoding):
-        """Prompt tokens a step of `decoding` sequences can carry within `bound` plain steps."""
-        usual, per_token = self.decode.at(decoding), self.prefill.slope()
-        if usual is None or per_token is None:
-            return 0
-        return int((bound - 1) * usual / per_token)
+        """Prompt tokens a step of `decoding` sequences can carry within `bound` plain steps;
+        None while the line has no slope."""
+        usual, per_row = self.rows.at(decoding), self.rows.slope()
+        if usual is None or per_row is None:
+            return None
+        return int((bound - 1) * usual / per_row)
 
     def draft_share(self, decoding, drafts):
         """How much longer a step of `decoding` sequences gets with `drafts` draft tokens."""
-        usual, per_row = self.decode.at(decoding), self.decode.slope()
+        usual, per_row = self.rows.at(decoding), self.rows.slope()
         if usual is None or per_row is None:
             return None
         return per_row * drafts / usual
@@ -89,9 +96,12 @@ def prefill_budget(decoding, waiting_tokens, oldest_wait, cost, step_tokens, idl
     without a first token; `oldest_wait`: seconds the oldest of them has waited."""
     if not decoding:
         return idle_chunk  # nobody's gap to protect
-    steady = max(step_tokens - decoding, MIN_PREFILL_TOKENS, PREFILL_PER_DECODE * decoding)
-    if not waiting_tokens:
+    bound = cost.tokens_within(GAP_BOUND, decoding)
+    steady = max(step_tokens - decoding, PREFILL_PER_DECODE * decoding)
+    if bound is not None:  # where a prompt token costs much against a plain step, fewer
+        steady = min(steady, bound)
+    steady = max(steady, MIN_PREFILL_TOKENS)
+    if not waiting_tokens or bound is None:
         return steady
     urgency = min(1.0, oldest_wait / FULL_URGENCY_SECONDS)
-    bound = cost.tokens_within(GAP_BOUND, decoding)
     return max(steady, min(waiting_tokens, int(steady + urgency * (bound - steady))))
