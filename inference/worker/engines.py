@@ -164,8 +164,9 @@ class EngineLoop(threading.Thread):
                 outbox.put(output)
 
 
-def build_engine(lm):
-    engine = Engine.for_model(
+def engine_for(lm):
+    """The engine a worker runs for `lm`, before the worker frees the model's own matrices."""
+    return Engine.for_model(
         lm,
         registry.kv_cache_tokens(lm.name),  # as admission counts them
         max_running=settings.TOKSTREAM_MAX_RUNNING,
@@ -177,6 +178,10 @@ def build_engine(lm):
         compile_cache=settings.CACHE_DIR / "compiled",
         tells_places=True,  # the chat page shows them
     )
+
+
+def build_engine(lm):
+    engine = engine_for(lm)
     if isinstance(engine.runner, LlamaRunner):
         drop_model_matrices(lm.model, engine.runner.weights)
     warm_up(engine)
