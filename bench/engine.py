@@ -1,6 +1,6 @@
 """Engine throughput against plain transformers, in one process so the figures compare.
 
-    .venv/bin/python bench/engine.py [--tokens 64] [--quick]
+    .venv/bin/python bench/engine.py [--tokens 64] [--quick] [--burst] [--eager] [--format int4]
 
 (a) transformers `generate`, requests one after another;
 (b) the bare batched forward loop (transformers, DynamicCache, equal prompts) at batch 1, 8, 32:
@@ -54,12 +54,14 @@ def prompts(tokenizer, count):
     return out
 
 
-COMPILED = {"compile": True}  # as the worker ships (TOKSTREAM_COMPILE); --eager turns it off for every run
+# As the worker ships (TOKSTREAM_COMPILE, TOKSTREAM_WEIGHTS); --eager and --format change them for every run.
+SHIPPED = {"compile": True, "weights": "auto"}
 
 
-def make_engine(lm, max_running, cache_tokens=48_000, weights="auto", compile=None):
+def make_engine(lm, max_running, cache_tokens=48_000, weights=None, compile=None):
     formats_file = ROOT / ".cache" / "weights" / f"{MODEL}-{str(lm.device).replace(':', '-')}.json"  # the worker's (make model)
-    compile = COMPILED["compile"] if compile is None else compile
+    compile = SHIPPED["compile"] if compile is None else compile
+    weights = weights or SHIPPED["weights"]
     options = dict(max_running=max_running, step_tokens=STEP_TOKENS, weights=weights, formats_file=formats_file)
     return Engine.for_model(lm, cache_tokens, compile=compile, compile_cache=ROOT / ".cache" / "compiled", **options)
 
@@ -92,7 +94,7 @@ def run(engine):
         engine.step()
 
 
-def start_all(lm, batch, max_tokens, weights="auto", speculative=True, compile=None):
+def start_all(lm, batch, max_tokens, weights=None, speculative=True, compile=None):
     engine = make_engine(lm, max_running=len(batch) + 1, weights=weights, compile=compile)  # room for one more to join
     params = SamplingParams(max_tokens=max_tokens, temperature=0, logit_bias=NO_STOP, speculative=speculative)
     requests = [Request(f"r{n}", p, params) for n, p in enumerate(batch)]
@@ -253,8 +255,9 @@ def main():
     parser.add_argument("--memory", action="store_true", help="only the memory run")
     parser.add_argument("--eager", action="store_true", help="every engine eager, not only the (c) table's first column")
     parser.add_argument("--burst", action="store_true", help="only the 32 arriving beside 4 streams")
+    parser.add_argument("--format", default="auto", help="the weight format of every engine (auto: as measured and kept)")
     args = parser.parse_args()
-    COMPILED["compile"] = not args.eager
+    SHIPPED.update(compile=not args.eager, weights=args.format)
     if args.memory:
         return report_memory()
     lm = loader.load(MODEL, ROOT / ".cache" / "models" / MODEL, loader.pick_devices()[0])
@@ -268,7 +271,7 @@ def main():
     if sequential:
         print(f"(a) generate, one request after another (prefill included): {sequential:7.1f} tok/s")
     weights = make_engine(lm, 1).runner.weights
-    print(f"weights: {weights.format} for every token (as `auto` measured and kept for this machine)")
+    print(f"weights: {weights.format} for every token" + (" (as `auto` measured and kept for this machine)" if args.format == "auto" else ""))
     for size in (1, 8, 32):
         eager, context = engine_decoding(lm, batch32[:size], args.tokens, speculative=False, compile=False)
         decoding, _ = engine_decoding(lm, batch32[:size], args.tokens, speculative=False, compile=True)

@@ -40,6 +40,28 @@ def test_it_gives_the_numbers_of_the_gather_and_two_sums(dtype):
     torch.testing.assert_close(run(q, k, v, tables, positions), expected, rtol=1e-5, atol=1e-5)
 
 
+def exact(q, k, v, tables, positions):
+    """attend() in float64, a row and a head at a time."""
+    size, group = SHAPE.block_size, SHAPE.heads // SHAPE.kv_heads
+    rows = []
+    for row in range(len(q)):
+        seen = torch.arange(int(positions[row]) + 1)
+        slots = tables[row][seen // size] * size + seen % size
+        keys, values = k[slots].double(), v[slots].double()
+        weights = [torch.softmax(keys[:, h // group] @ q[row, h].double() * SHAPE.head_dim**-0.5, dim=0) for h in range(SHAPE.heads)]
+        rows.append(torch.cat([w @ values[:, h // group] for h, w in enumerate(weights)]))
+    return torch.stack(rows)
+
+
+def test_scores_far_apart_give_the_softmax_still():
+    """Queries scaled up so that a row's scores lie hundreds apart: the exponentials reach the
+    ends of their range, and the result stays within float32's rounding of scores that large
+    (2e-5 here; the gather and two sums 8e-6) of the exact one."""
+    q, k, v, tables, positions = step(torch.float32, rows=20, seed=1)
+    q = q * 40
+    torch.testing.assert_close(run(q, k, v, tables, positions).double(), exact(q, k, v, tables, positions), rtol=0, atol=1e-4)
+
+
 def test_a_rows_result_is_its_own_whatever_travels_with_it():
     q, k, v, tables, positions = step(torch.bfloat16, rows=40)
     whole = run(q, k, v, tables, positions)
@@ -60,6 +82,12 @@ def test_a_cache_of_another_dtype_is_refused_clearly():
     q, k, v, tables, positions = step(torch.float32)
     with pytest.raises(RuntimeError, match="not supported"):
         run(q, k.double(), v.double(), tables, positions)
+
+
+def test_a_head_size_the_lanes_do_not_divide_is_refused_clearly():
+    q, k, v, tables, positions = step(torch.float32)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        run(q[..., :60].contiguous(), k[..., :60].contiguous(), v[..., :60].contiguous(), tables, positions)
 
 
 def test_a_position_or_a_block_outside_the_cache_is_refused_not_read():

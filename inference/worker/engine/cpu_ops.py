@@ -3,14 +3,17 @@ inductor uses too, and kept beside the compiled step:
 
 - paged_attention.cpp, the compiled step's attention. Written as a gather and two sums
   (compiled.attend), inductor's loops cost about 48 us per row and key of context on these
-  CPUs, four times an eager decode at 2,000 tokens of context; the operator reads each key once
-  for the query heads that share it, in eight lanes, and keeps each row's numbers its own.
+  CPUs, four times an eager decode at 2,000 tokens of context; the operator scores eight keys
+  at a time, reads each key from memory once for the query heads that share it, and keeps each
+  row's numbers its own.
 - quantized_linear.cpp, the int8 and int4 weight formats' matrix products (llama.OwnInt8,
   llama.OwnInt4), eager and compiled: activations rounded to int8 in groups of 32 and integer
   multiply-adds against weights laid out a block of eight outputs to a vector, as llama.cpp
   computes; torch's kernels convert every activation to bfloat16 and multiply in floats.
 
-bench/step_shapes.py and bench/linears.py measure them against what they replace.
+Both include lanes.h: eight float32 lanes, AVX2 where the compiler targets it, else plain C++,
+whose sums across lanes run in one fixed tree. bench/step_shapes.py and bench/linears.py measure
+the operators against what they replace.
 """
 
 import hashlib
@@ -26,6 +29,7 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "quantized_linear.cpp")]
+HEADERS = [Path(__file__).with_name("lanes.h")]  # included by the sources: part of the library's key
 BLOCK = 8  # outputs the linear operators compute together, one to a lane: their weights' layout
 _loaded = []  # the library this process loaded, or the error its build gave
 
@@ -67,7 +71,7 @@ def cpu_description():
 
 
 def key():
-    parts = [*(source.read_text() for source in SOURCES), torch.__version__, cpu_description(), os.environ.get("CXX", "g++")]
+    parts = [*(source.read_text() for source in SOURCES + HEADERS), torch.__version__, cpu_description(), os.environ.get("CXX", "g++")]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 

@@ -2,9 +2,11 @@
 // sequence's keys, read through its block table, up to its own position.
 //
 // A row's result depends on that row alone: rows run independently, and every sum runs in an
-// order fixed by the code (eight lanes, then the lanes in turn), never by the number of rows,
-// the threads or the padding of the table. The keys of a KV head are read once for the query
-// heads that share it.
+// order fixed by the code (lanes.h), never by the number of rows, the threads or the padding of
+// the table. Keys are scored eight at a time, a key to a lane, each one's products summed in
+// eight lanes along the dimensions and then by the lanes' tree; the softmax and the weighted sum
+// of the values run eight lanes wide. A KV head's keys and values come from memory once for the
+// query heads that share them (the next heads read them from the core's cache).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -12,42 +14,27 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
+
+#include "lanes.h"
 
 namespace {
 
-constexpr int LANES = 8;
-
-inline float as_float(float x) { return x; }
-inline float as_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float as_float(c10::Half x) { return static_cast<float>(x); }
-
-template <typename T>
-inline void widen(const T* from, float* to, int64_t size) {
-  for (int64_t d = 0; d < size; ++d) to[d] = as_float(from[d]);
-}
-
-// Lane j sums elements j, j + 8, ...; the lanes are then added in order: the same order on
-// every call, which the compiler can still run eight at a time.
-inline float dot(const float* a, const float* b, int64_t size) {
-  float lanes[LANES] = {0};
-  int64_t d = 0;
-  for (; d + LANES <= size; d += LANES)
-    for (int j = 0; j < LANES; ++j) lanes[j] += a[d + j] * b[d + j];
-  for (int j = 0; d < size; ++d, ++j) lanes[j] += a[d] * b[d];
-  float total = 0;
-  for (int j = 0; j < LANES; ++j) total += lanes[j];
-  return total;
-}
+using lanes::LANES;
+using lanes::Lanes;
 
 struct Sizes {
   int64_t heads, kv_heads, dim, width, block, blocks;
 };
 
-template <typename T>
-inline const T* at_position(const T* cache, const int64_t* table, int64_t c, const Sizes& s) {
-  return cache + (table[c / s.block] * s.block + c % s.block) * s.kv_heads * s.dim;
+// Where each position 0 to seen - 1 of a row is in the caches (the same offset in K and V), in
+// elements, found block by block: a division for every position read cost more than the read.
+inline void place(const int64_t* table, int64_t seen, const Sizes& s, std::vector<int64_t>& places) {
+  places.resize(seen);
+  for (int64_t c = 0; c < seen; c += s.block) {
+    const int64_t first = table[c / s.block] * s.block;
+    for (int64_t i = 0; i < s.block && c + i < seen; ++i) places[c + i] = (first + i) * s.kv_heads * s.dim;
+  }
 }
 
 // A position past its table, or a block past the cache, would read memory that is not the
@@ -57,32 +44,81 @@ inline void check_row(const int64_t* table, int64_t position, const Sizes& s) {
   for (int64_t b = 0; b <= position / s.block; ++b) TORCH_CHECK(table[b] >= 0 && table[b] < s.blocks, "a block past the cache");
 }
 
+// One query head against eight keys: lane j is q . keys[j], each key's products summed in
+// eight lanes along the head's dimensions, then by lanes' tree.
+template <typename T>
+inline Lanes scores_of(const float* q, const T* const keys[LANES], int64_t dim) {
+  Lanes sums[LANES];
+  for (auto& sum : sums) sum = lanes::zero();
+  for (int64_t d = 0; d < dim; d += LANES) {
+    const Lanes query = lanes::load(q + d);
+    for (int64_t j = 0; j < LANES; ++j) sums[j] = lanes::fma(query, lanes::load(keys[j] + d), sums[j]);
+  }
+  return lanes::sum_each(sums);
+}
+
+// Each query head's scores for the positions 0 to seen - 1, eight keys at a time; the last
+// eight repeat the last key where the row has fewer, so every score comes from the same code.
+template <typename T>
+void score(const float* q, const T* k, const int64_t* places, int64_t seen, float* scores, int64_t stride, const Sizes& s,
+           int64_t group, float scale) {
+  for (int64_t c = 0; c < seen; c += LANES) {
+    const T* keys[LANES];
+    for (int64_t j = 0; j < LANES; ++j) keys[j] = k + places[std::min(c + j, seen - 1)];
+    for (int64_t h = 0; h < group; ++h)
+      lanes::store(scores + h * stride + c, lanes::mul(scores_of(q + h * s.dim, keys, s.dim), lanes::broadcast(scale)));
+  }
+}
+
+// Scores to weights in place: e^(score - largest), the repeated tail's lanes zero, over their
+// sum (lane j summing positions j, j + 8, ..., then the lanes' tree).
+inline void soften(float* scores, int64_t seen) {
+  Lanes top = lanes::load(scores);
+  for (int64_t c = LANES; c < seen; c += LANES) top = lanes::larger(top, lanes::load(scores + c));
+  const Lanes shift = lanes::broadcast(lanes::largest(top));
+  Lanes sums = lanes::zero();
+  for (int64_t c = 0; c < seen; c += LANES) {
+    const Lanes weight = lanes::keep_first(lanes::exp(lanes::sub(lanes::load(scores + c), shift)), seen - c);
+    lanes::store(scores + c, weight);
+    sums = lanes::add(sums, weight);
+  }
+  const Lanes inverse = lanes::broadcast(1.0f / lanes::total(sums));
+  for (int64_t c = 0; c < seen; c += LANES) lanes::store(scores + c, lanes::mul(lanes::load(scores + c), inverse));
+}
+
+// WIDE vectors of out: the weighted sum of the values' same dimensions, position by position.
+template <int64_t WIDE, typename T>
+inline void weigh_span(const float* weights, const T* v, const int64_t* places, int64_t seen, float* out) {
+  Lanes sums[WIDE];
+  for (auto& sum : sums) sum = lanes::zero();
+  for (int64_t c = 0; c < seen; ++c) {
+    const Lanes weight = lanes::broadcast(weights[c]);
+    for (int64_t i = 0; i < WIDE; ++i) sums[i] = lanes::fma(weight, lanes::load(v + places[c] + i * LANES), sums[i]);
+  }
+  for (int64_t i = 0; i < WIDE; ++i) lanes::store(out + i * LANES, sums[i]);
+}
+
+// out (dim floats) = the weighted sum of the values, four vectors at a time: a count the
+// compiler knows keeps the sums in registers (one it did not kept them in memory, 40% of the time).
+template <typename T>
+void weigh(const float* weights, const T* v, const int64_t* places, int64_t seen, float* out, const Sizes& s) {
+  int64_t d = 0;
+  for (; d + 4 * LANES <= s.dim; d += 4 * LANES) weigh_span<4>(weights, v + d, places, seen, out + d);
+  for (; d < s.dim; d += LANES) weigh_span<1>(weights, v + d, places, seen, out + d);
+}
+
 // One row and one KV head: the `group` query heads that read it.
 template <typename T>
 void attend_one(const float* q, const T* k, const T* v, const int64_t* table, int64_t position, float* out, const Sizes& s,
-                float scale, std::vector<float>& scores, std::vector<float>& row) {
-  const int64_t group = s.heads / s.kv_heads, seen = position + 1, dim = s.dim;
-  scores.resize(group * seen);
-  row.resize(dim);
-  for (int64_t c = 0; c < seen; ++c) {
-    widen(at_position(k, table, c, s), row.data(), dim);
-    for (int64_t h = 0; h < group; ++h) scores[h * seen + c] = dot(q + h * dim, row.data(), dim) * scale;
-  }
+                float scale, std::vector<float>& scores, std::vector<int64_t>& places) {
+  const int64_t group = s.heads / s.kv_heads, seen = position + 1;
+  const int64_t stride = (seen + LANES - 1) / LANES * LANES;
+  scores.resize(group * stride);
+  place(table, seen, s, places);
+  score(q, k, places.data(), seen, scores.data(), stride, s, group, scale);
   for (int64_t h = 0; h < group; ++h) {
-    float* score = scores.data() + h * seen;
-    float top = -std::numeric_limits<float>::infinity(), total = 0;
-    for (int64_t c = 0; c < seen; ++c) top = std::max(top, score[c]);
-    for (int64_t c = 0; c < seen; ++c) total += (score[c] = std::exp(score[c] - top));
-    for (int64_t c = 0; c < seen; ++c) score[c] /= total;
-    std::fill(out + h * dim, out + (h + 1) * dim, 0.0f);
-  }
-  for (int64_t c = 0; c < seen; ++c) {
-    widen(at_position(v, table, c, s), row.data(), dim);
-    for (int64_t h = 0; h < group; ++h) {
-      const float weight = scores[h * seen + c];
-      float* target = out + h * dim;
-      for (int64_t d = 0; d < dim; ++d) target[d] += weight * row[d];
-    }
+    soften(scores.data() + h * stride, seen);
+    weigh(scores.data() + h * stride, v, places.data(), seen, out + h * s.dim, s);
   }
 }
 
@@ -98,12 +134,13 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   const int64_t* pd = positions.data_ptr<int64_t>();
   float* od = out.data_ptr<float>();
   at::parallel_for(0, rows * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, row;
+    std::vector<float> scores;
+    std::vector<int64_t> places;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n = i / s.kv_heads, g = i % s.kv_heads;
       const int64_t first = (n * s.heads + g * group) * s.dim;
       check_row(td + n * s.width, pd[n], s);
-      attend_one(qd + first, kd + g * s.dim, vd + g * s.dim, td + n * s.width, pd[n], od + first, s, scale, scores, row);
+      attend_one(qd + first, kd + g * s.dim, vd + g * s.dim, td + n * s.width, pd[n], od + first, s, scale, scores, places);
     }
   });
 }
@@ -119,6 +156,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const auto tc = tables.contiguous(), pc = positions.contiguous();
   const Sizes s{q.size(1), k_cache.size(1), q.size(2), tables.size(1), block_size, k_cache.size(0) / block_size};
   TORCH_CHECK(s.heads % s.kv_heads == 0 && k_cache.size(2) == s.dim, "heads and dims of q and the caches disagree");
+  TORCH_CHECK(s.dim % LANES == 0, "a head's dimensions: a multiple of ", LANES);
   TORCH_CHECK(positions.numel() == q.size(0) && tables.size(0) == q.size(0), "one position and one table for each row");
   auto out = at::empty({q.size(0), s.heads * s.dim}, q.options());
   switch (k_cache.scalar_type()) {

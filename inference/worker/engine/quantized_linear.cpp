@@ -25,12 +25,17 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define TOKSTREAM_AVX2 1
-#endif
+#include "lanes.h"
 
 namespace {
+
+using lanes::add;
+using lanes::broadcast;
+using lanes::fma;
+using lanes::Lanes;
+using lanes::mul;
+using lanes::store;
+using lanes::zero;
 
 constexpr int64_t BLOCK = 8;   // outputs laid out together, one to a lane
 constexpr int64_t GROUP = 32;  // inputs that share a scale of x (and for int4 of the weights)
@@ -38,19 +43,10 @@ constexpr int64_t TILE = 4;    // rows of x taken against a block's group while 
 
 #ifdef TOKSTREAM_AVX2
 
-using Lanes = __m256;   // eight float32, one output each
-using Ints = __m256i;   // eight int32, or 32 bytes
+using Ints = __m256i;  // eight int32, or 32 bytes
 
-inline Lanes zero() { return _mm256_setzero_ps(); }
 inline Ints zero_ints() { return _mm256_setzero_si256(); }
-inline Lanes broadcast(float v) { return _mm256_set1_ps(v); }
-inline Lanes fma(Lanes a, Lanes b, Lanes c) { return _mm256_fmadd_ps(a, b, c); }
-inline Lanes add(Lanes a, Lanes b) { return _mm256_add_ps(a, b); }
-inline Lanes mul(Lanes a, Lanes b) { return _mm256_mul_ps(a, b); }
 inline Lanes to_float(Ints v) { return _mm256_cvtepi32_ps(v); }
-inline Lanes load(const float* p) { return _mm256_loadu_ps(p); }
-inline void store(float* p, Lanes v) { _mm256_storeu_ps(p, v); }
-inline Lanes load_halves(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline Ints load_bytes(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline Ints low_halves(Ints v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline Ints high_halves(Ints v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
@@ -72,48 +68,14 @@ inline Ints dot_add_signed(Ints sums, Ints w, Ints b) { return dot_add(sums, _mm
 
 #else
 
-struct Lanes {
-  float v[8];
-};
 struct Ints {
   int32_t v[8];
   int8_t b[32];  // as bytes (the weights' vectors; four_bytes)
 };
-inline Lanes zero() { return Lanes{}; }
 inline Ints zero_ints() { return Ints{}; }
-inline Lanes broadcast(float x) {
-  Lanes out;
-  for (float& v : out.v) v = x;
-  return out;
-}
-inline Lanes fma(Lanes a, Lanes b, Lanes c) {
-  for (int j = 0; j < 8; ++j) c.v[j] = std::fma(a.v[j], b.v[j], c.v[j]);
-  return c;
-}
-inline Lanes add(Lanes a, Lanes b) {
-  for (int j = 0; j < 8; ++j) a.v[j] += b.v[j];
-  return a;
-}
-inline Lanes mul(Lanes a, Lanes b) {
-  for (int j = 0; j < 8; ++j) a.v[j] *= b.v[j];
-  return a;
-}
 inline Lanes to_float(Ints v) {
   Lanes out;
   for (int j = 0; j < 8; ++j) out.v[j] = static_cast<float>(v.v[j]);
-  return out;
-}
-inline Lanes load(const float* p) {
-  Lanes out;
-  for (int j = 0; j < 8; ++j) out.v[j] = p[j];
-  return out;
-}
-inline void store(float* p, Lanes v) {
-  for (int j = 0; j < 8; ++j) p[j] = v.v[j];
-}
-inline Lanes load_halves(const c10::Half* p) {
-  Lanes out;
-  for (int j = 0; j < 8; ++j) out.v[j] = static_cast<float>(p[j]);
   return out;
 }
 inline Ints load_bytes(const void* p) {
@@ -195,7 +157,7 @@ struct Int4Weights {
         const Ints both = load_bytes(codes + at * BYTES + 32 * k);
         w[k] = low_halves(both), w[k + 4] = high_halves(both);
       }
-      const Lanes scale = load_halves(scales + at * BLOCK), minimum = load_halves(minimums + at * BLOCK);
+      const Lanes scale = lanes::load(scales + at * BLOCK), minimum = lanes::load(minimums + at * BLOCK);
       for (int64_t r = 0; r < ROWS; ++r) {
         const int64_t xg = rows[r] * x.groups + g;
         const int8_t* q = x.q.data() + xg * GROUP;
@@ -231,7 +193,7 @@ struct Int8Weights {
         sums[r] = fma(to_float(dots), broadcast(x.d[xg]), sums[r]);
       }
     }
-    const Lanes scale = load(scales + b * BLOCK);
+    const Lanes scale = lanes::load(scales + b * BLOCK);
     for (int64_t r = 0; r < ROWS; ++r) out[r] = mul(sums[r], scale);
   }
 };
