@@ -28,7 +28,7 @@ struct Sizes {
 };
 
 // Where each position 0 to seen - 1 of a row is in the caches (the same offset in K and V), in
-// elements, found block by block: a division for every position read cost more than the read.
+// elements, found once a row and KV head, block by block.
 inline void place(const int64_t* table, int64_t seen, const Sizes& s, std::vector<int64_t>& places) {
   places.resize(seen);
   for (int64_t c = 0; c < seen; c += s.block) {
