@@ -13,7 +13,8 @@ inductor uses too, and kept beside the compiled step:
 
 Both include lanes.h: eight float32 lanes, AVX2 where the compiler targets it, else plain C++,
 whose sums across lanes run in one fixed tree. bench/step_shapes.py and bench/linears.py measure
-the operators against what they replace.
+the operators against what they replace; bench/operators_ab.py a change to them against a
+commit, both built into one process.
 """
 
 import hashlib
@@ -96,7 +97,8 @@ def linear_shape(x, weight, *scales):
     return x.new_empty(x.shape[0], weight.shape[0] * BLOCK)
 
 
-def build(path):
+def build(path, sources=None):
+    """Compiles `sources` (the operators' own: SOURCES) into the library at `path`."""
     from torch.utils import cpp_extension
 
     start = time.monotonic()
@@ -107,7 +109,7 @@ def build(path):
         os.environ.get("CXX", "g++"),
         *("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"),
         *(f"-I{include}" for include in cpp_extension.include_paths()),
-        *map(str, SOURCES),
+        *map(str, sources or SOURCES),
         f"-L{cpp_extension.TORCH_LIB_PATH}",
         *("-lc10", "-ltorch_cpu"),
         "-o",

@@ -51,6 +51,7 @@ using Ints = __m256i;  // eight int32, or 32 bytes
 
 inline Ints zero_ints() { return _mm256_setzero_si256(); }
 inline Lanes to_float(Ints v) { return _mm256_cvtepi32_ps(v); }
+inline Ints add_ints(Ints a, Ints b) { return _mm256_add_epi32(a, b); }
 inline Ints load_bytes(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline Ints low_halves(Ints v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline Ints high_halves(Ints v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
@@ -77,6 +78,10 @@ struct Ints {
   int8_t b[32];  // as bytes (the weights' vectors; four_bytes)
 };
 inline Ints zero_ints() { return Ints{}; }
+inline Ints add_ints(Ints a, Ints b) {
+  for (int j = 0; j < 8; ++j) a.v[j] += b.v[j];
+  return a;
+}
 inline Lanes to_float(Ints v) {
   Lanes out;
   for (int j = 0; j < 8; ++j) out.v[j] = static_cast<float>(v.v[j]);
@@ -112,6 +117,20 @@ inline Ints dot_add_signed(Ints sums, Ints w, Ints b) {
 }
 
 #endif
+
+// A group's dot products for a block's eight outputs, dot(sums, k) adding vector k's: in two
+// chains, since each multiply-add waits for the one before it in its chain (one chain left the
+// units idle: x0.87 to x0.90 of its time at 8 to 128 rows here, both in one process); the sums
+// are integers, so their order changes nothing.
+template <typename Dot>
+inline Ints two_chains(Dot dot) {
+  Ints even = zero_ints(), odd = zero_ints();
+  for (int k = 0; k < 8; k += 2) {
+    even = dot(even, k);
+    odd = dot(odd, k + 1);
+  }
+  return add_ints(even, odd);
+}
 
 // x quantized in groups of 32 along each row: q [rows, in], d and s [rows, in / 32].
 struct Activations {
@@ -172,8 +191,7 @@ struct Int4Weights {
       for (int64_t r = 0; r < ROWS; ++r) {
         const int64_t xg = rows[r] * x.groups + g;
         const int8_t* q = x.q.data() + xg * GROUP;
-        Ints dots = zero_ints();
-        for (int k = 0; k < 8; ++k) dots = dot_add(dots, w[k], four_bytes(q + 4 * k));
+        const Ints dots = two_chains([&](Ints acc, int k) { return dot_add(acc, w[k], four_bytes(q + 4 * k)); });
         sums[r] = fma(to_float(dots), mul(scale, broadcast(x.d[xg])), sums[r]);
         mins[r] = fma(minimum, broadcast(x.s[xg]), mins[r]);
       }
@@ -193,17 +211,14 @@ inline Ints int8_offset(const Ints w[8]) {
 }
 inline Ints int8_dots(const Activations& x, int64_t xg, const Ints w[8], Ints offset) {
   const uint8_t* u = x.shifted.data() + xg * GROUP;
-  Ints dots = zero_ints();
-  for (int k = 0; k < 8; ++k) dots = dot_add(dots, four_bytes(u + 4 * k), w[k]);
+  const Ints dots = two_chains([&](Ints acc, int k) { return dot_add(acc, four_bytes(u + 4 * k), w[k]); });
   return _mm256_sub_epi32(dots, offset);
 }
 #else
 inline Ints int8_offset(const Ints*) { return zero_ints(); }
 inline Ints int8_dots(const Activations& x, int64_t xg, const Ints w[8], Ints) {
   const int8_t* q = x.q.data() + xg * GROUP;
-  Ints dots = zero_ints();
-  for (int k = 0; k < 8; ++k) dots = dot_add_signed(dots, w[k], four_bytes(q + 4 * k));
-  return dots;
+  return two_chains([&](Ints acc, int k) { return dot_add_signed(acc, w[k], four_bytes(q + 4 * k)); });
 }
 #endif
 
