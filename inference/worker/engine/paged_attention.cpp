@@ -60,12 +60,11 @@ inline Lanes scores_of(const float* q, const T* const keys[LANES], int64_t dim) 
 // Each query head's scores for the positions 0 to seen - 1, eight keys at a time; the last
 // eight repeat the last key where the row has fewer, so every score comes from the same code.
 template <typename T>
-void score(const float* q, const T* k, const int64_t* places, int64_t seen, float* scores, int64_t stride, const Sizes& s,
-           int64_t group, float scale) {
+void score(const float* q, const T* k, const int64_t* places, int64_t seen, float* scores, int64_t stride, const Sizes& s, float scale) {
   for (int64_t c = 0; c < seen; c += LANES) {
     const T* keys[LANES];
     for (int64_t j = 0; j < LANES; ++j) keys[j] = k + places[std::min(c + j, seen - 1)];
-    for (int64_t h = 0; h < group; ++h)
+    for (int64_t h = 0; h < s.heads / s.kv_heads; ++h)
       lanes::store(scores + h * stride + c, lanes::mul(scores_of(q + h * s.dim, keys, s.dim), lanes::broadcast(scale)));
   }
 }
@@ -115,7 +114,7 @@ void attend_one(const float* q, const T* k, const T* v, const int64_t* table, in
   const int64_t stride = (seen + LANES - 1) / LANES * LANES;
   scores.resize(group * stride);
   place(table, seen, s, places);
-  score(q, k, places.data(), seen, scores.data(), stride, s, group, scale);
+  score(q, k, places.data(), seen, scores.data(), stride, s, scale);
   for (int64_t h = 0; h < group; ++h) {
     soften(scores.data() + h * stride, seen);
     weigh(scores.data() + h * stride, v, places.data(), seen, out + h * s.dim, s);

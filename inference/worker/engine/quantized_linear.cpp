@@ -29,6 +29,9 @@
 
 #if defined(TOKSTREAM_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define TOKSTREAM_VNNI 1
+constexpr bool VNNI = true;
+#else
+constexpr bool VNNI = false;
 #endif
 
 namespace {
@@ -135,17 +138,15 @@ inline Ints two_chains(Dot dot) {
 // x quantized in groups of 32 along each row: q [rows, in], d and s [rows, in / 32].
 struct Activations {
   std::vector<int8_t> q;
-  std::vector<uint8_t> shifted;  // q + 128, with VNNI: the int8 weights' products (int8_dots)
+  std::vector<uint8_t> shifted;  // q + 128, where the weights ask for it (int8 with VNNI: int8_dots)
   std::vector<float> d, s;
   int64_t groups;
 };
 
-Activations quantize(const float* x, int64_t rows, int64_t in) {
+Activations quantize(const float* x, int64_t rows, int64_t in, bool shifted) {
   const int64_t groups = in / GROUP;
-  Activations a{std::vector<int8_t>(rows * in), {}, std::vector<float>(rows * groups), std::vector<float>(rows * groups), groups};
-#ifdef TOKSTREAM_VNNI
-  a.shifted.resize(rows * in);
-#endif
+  Activations a{std::vector<int8_t>(rows * in), std::vector<uint8_t>(shifted ? rows * in : 0), std::vector<float>(rows * groups),
+                std::vector<float>(rows * groups), groups};
   at::parallel_for(0, rows * groups, 256, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const float* v = x + g * GROUP;
@@ -156,9 +157,7 @@ Activations quantize(const float* x, int64_t rows, int64_t in) {
       for (int64_t i = 0; i < GROUP; ++i) {
         const auto q = static_cast<int8_t>(std::nearbyint(v[i] * inverse));
         a.q[g * GROUP + i] = q;
-#ifdef TOKSTREAM_VNNI
-        a.shifted[g * GROUP + i] = static_cast<uint8_t>(q + 128);
-#endif
+        if (shifted) a.shifted[g * GROUP + i] = static_cast<uint8_t>(q + 128);
         sum += q;
       }
       a.d[g] = d;
@@ -174,6 +173,7 @@ struct Int4Weights {
   const c10::Half* scales;
   const c10::Half* minimums;
   static constexpr int64_t BYTES = 128;
+  static constexpr bool SHIFTED = false;
 
   // ROWS rows of x against block b of outputs: their outputs' lanes.
   template <int64_t ROWS>
@@ -227,6 +227,7 @@ struct Int8Weights {
   const int8_t* codes;
   const float* scales;
   static constexpr int64_t BYTES = 256;
+  static constexpr bool SHIFTED = VNNI;
 
   template <int64_t ROWS>
   void block(const Activations& x, const int64_t* rows, int64_t b, Lanes out[ROWS]) const {
@@ -258,7 +259,7 @@ inline void tile(const Activations& x, int64_t first, const Weights& w, int64_t 
 
 template <typename Weights>
 void product(const float* x, int64_t rows, int64_t in, const Weights& weights, int64_t out, float* y) {
-  const Activations q = quantize(x, rows, in);
+  const Activations q = quantize(x, rows, in, Weights::SHIFTED);
   // Enough blocks to a task that the threads' start-up is small against them.
   const int64_t grain = std::max<int64_t>(1, 32768 / (in * std::max<int64_t>(rows, 1)));
   at::parallel_for(0, out / BLOCK, grain, [&](int64_t begin, int64_t end) {
