@@ -214,7 +214,7 @@ class Engine:
     default_max_tokens: int = setting("TOKSTREAM_DEFAULT_MAX_TOKENS", integer(1), 1024, "completion budget when a request gives none", "tokens")
     compile: bool = setting(
         "TOKSTREAM_COMPILE", boolean, True,
-        "run every step of the engine compiled (`torch.compile`, with C++ operators on the CPU; CUDA graphs on a GPU): the first start on a machine compiles (about 30 s here; the operators are built once before, 18 s), later ones load both from `$TOKSTREAM_CACHE_DIR/compiled` in about a second; where compiling fails the engine runs eager and the worker logs why. Here a decode step takes 0.6 to 0.9 of eager's time, a prompt piece 1.15 ([docs/architecture.md](docs/architecture.md))",
+        "run every step of the engine compiled (`torch.compile`, with C++ operators on the CPU; CUDA graphs on a GPU): the first start on a machine compiles (about 30 s here; the operators are built once before, 18 s), later ones load both from `$TOKSTREAM_CACHE_DIR/compiled` in about a second; where compiling fails the engine runs eager and the worker logs why. Here a decode step takes 0.3 to 0.5 of eager's time, a prompt piece 0.4 to 0.6 ([docs/architecture.md](docs/architecture.md))",
     )
 
 
