@@ -9,8 +9,8 @@
     format it measured fastest at load, eager and compiled (the other runs use the compiled
     engine, as the worker ships it; --eager for them all eager).
 Prints tokens/s for each and the ratios to (a) and (b); 32 requests arriving at once beside 4
-running streams (times to first token, the running streams' worst gap), with the prefill budget
-growing while prompts wait and without; one stream with prompt-lookup drafts and without; the
+running streams (times to first token, the running streams' worst gap against their step
+before and the plain step of all of them after); one stream with prompt-lookup drafts and without; the
 time to first token of a request that joins a busy batch (against its own prefill plus two
 decode steps); and peak memory (resident set) with 32 running sequences of 2,000 tokens.
 """
@@ -146,47 +146,35 @@ def speculation_ab(lm, tokens):
 
 def burst(lm, tokens, running=4, arrivals=32):
     """`arrivals` chat requests arriving at once beside `running` decoding streams: their times
-    to first token, the running streams' worst gap against their usual one, and the worst step
-    against a plain decode step of as many sequences (what the prompts added to it: the gap
-    also grows as the newcomers start decoding beside the running streams)."""
+    to first token; the running streams' worst gap while the prompts are computed, against
+    their usual one before and against the plain step of every stream after (the newcomers
+    decoding beside them: the gap all of them keep from then on)."""
     questions = [f"Write a short note about {TOPICS[i % len(TOPICS)]} number {i}." for i in range(arrivals + running)]
     chats = [lm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
     engine = make_engine(lm, max_running=arrivals + running, cache_tokens=(arrivals + running) * 512)
     params = SamplingParams(max_tokens=tokens, temperature=0, logit_bias=NO_STOP, speculative=False)
-    streams = [Request(f"s{n}", p, params) for n, p in enumerate(chats[:running])]
+    streams = [Request(f"s{n}", p, replace(params, max_tokens=4 * tokens)) for n, p in enumerate(chats[:running])]  # outlasting the burst
     engine.add(*streams)
     while any(r.first_token_at is None for r in streams):
         engine.step()
-    usual = statistics.median(timed_steps(engine, 8))
-    newcomers = [Request(f"b{n}", p, replace(params, max_tokens=8)) for n, p in enumerate(chats[running:])]
+    before = statistics.median(timed_steps(engine, 8))
+    newcomers = [Request(f"b{n}", p, params) for n, p in enumerate(chats[running:])]
     engine.add(*newcomers)
-    gaps, over_plain = [], []
+    gaps = []
     while any(r.first_token_at is None for r in newcomers):
-        decoding = sum(1 for r in engine.scheduler.running if r.output_ids)
         gaps += timed_steps(engine, 1)
-        plain = engine.step_cost.plain(decoding)
-        over_plain.append(gaps[-1] / plain if plain else 1.0)
+    after = statistics.median(timed_steps(engine, 8))
     ttfts = sorted(r.first_token_at - r.arrived_at for r in newcomers)
-    return ttfts[len(ttfts) // 2], ttfts[int(len(ttfts) * 0.95)], max(gaps) / usual, max(over_plain)
+    return ttfts[len(ttfts) // 2], ttfts[int(len(ttfts) * 0.95)], max(gaps) / before, max(gaps) / after
 
 
-def burst_ab(lm, tokens):
-    """The burst with the budget growing while prompts wait, against the steady budget alone."""
-    from inference.worker.engine import budget
-
-    shipped, runs = budget.GAP_BOUND, {1.0: [], budget.GAP_BOUND: []}
-    for _ in range(2):
-        for bound in runs:
-            budget.GAP_BOUND = bound  # 1.0: no room over a plain step, the steady budget only
-            runs[bound].append(burst(lm, tokens))
-    budget.GAP_BOUND = shipped
-    for bound, results in runs.items():
-        p50, p95, gap, over_plain = (statistics.median(r[i] for r in results) for i in range(4))
-        label = "growing budget" if bound > 1 else "steady budget "
-        print(
-            f"32 arriving beside 4 streams, {label}: TTFT p50 {p50 * 1000:5.0f} ms, p95 {p95 * 1000:5.0f} ms; "
-            f"running streams' worst gap x{gap:.2f} of usual, worst step x{over_plain:.2f} of a plain step as wide"
-        )
+def burst_report(lm, tokens, runs=2):
+    results = [burst(lm, tokens) for _ in range(runs)]
+    p50, p95, over_before, over_after = (statistics.median(r[i] for r in results) for i in range(4))
+    print(
+        f"32 arriving beside 4 streams: TTFT p50 {p50 * 1000:5.0f} ms, p95 {p95 * 1000:5.0f} ms; "
+        f"running streams' worst gap x{over_before:.2f} of their step before, x{over_after:.2f} of the plain step after (medians of {runs})"
+    )
 
 
 def join_busy_batch(lm, batch, tokens):
@@ -262,7 +250,7 @@ def main():
         return report_memory()
     lm = loader.load(MODEL, ROOT / ".cache" / "models" / MODEL, loader.pick_devices()[0])
     if args.burst:
-        return burst_ab(lm, args.tokens)
+        return burst_report(lm, args.tokens)
     print(f"torch threads {torch.get_num_threads()}, device {lm.device}, {args.tokens} tokens per request")
     batch32 = prompts(lm.tokenizer, 32)
     bare_loop(lm, 1, 4, 16)  # warm up
@@ -282,7 +270,7 @@ def main():
             f"batch {size:2d}: (b) bare decode {bare:6.1f} tok/s | (c) engine decoding, {weights.format} eager {eager:6.1f}, compiled {decoding:6.1f} tok/s, "
             f"x{eager / bare:4.2f} / x{decoding / bare:4.2f} of (b) | engine with prefill {whole:6.1f} tok/s{vs_a}"
         )
-    burst_ab(lm, args.tokens)
+    burst_report(lm, args.tokens)
     speculation_ab(lm, args.tokens)
     ttft, prefill, step = join_busy_batch(lm, batch32[:31], args.tokens)
     print(

@@ -36,29 +36,20 @@ The first run builds llama.cpp from source (about 8 minutes on 2 cores); later r
 
 import argparse
 import json
-import logging
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-DB = Path(tempfile.mkdtemp()) / "bench.sqlite3"
-os.environ.update(DATABASE_URL=f"sqlite:///{DB}", TOKSTREAM_REDIS_PREFIX=f"tokstream-peer-{os.getpid()}")
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tokstream_site.settings")
-os.environ["REDIS_URL"] = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/13")
-
-import django  # noqa: E402
-
-django.setup()
-logging.getLogger("httpx").setLevel(logging.WARNING)
-
 import serving  # noqa: E402  (bench/serving.py)
+
+WORK = serving.setup("peer", 13)
+
 from django.conf import settings  # noqa: E402
 from django.core.management import call_command  # noqa: E402
 
@@ -176,20 +167,11 @@ def service_stream(url, key, prompt, tokens, t0):
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "stream": True, "temperature": 0, "max_tokens": tokens,
             "stream_options": {"include_usage": True}}  # fmt: skip
     first = last = usage = None
-    with serving.http().stream("POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
-        if r.status_code != 200:
-            raise SystemExit(f"the service answered {r.status_code}: {r.read().decode()}")
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            if "error" in chunk:
-                raise SystemExit(f"the service failed the stream: {chunk['error']}")
-            usage = chunk.get("usage") or usage
-            # The first chunk (role, queue position) comes at admission: wait for real text.
-            if any(choice["delta"].get("content") for choice in chunk["choices"]):
-                last = time.perf_counter()
-                first = first or last
+    for chunk in serving.chunks(url, key, body):
+        usage = chunk.get("usage") or usage
+        if serving.has_text(chunk):
+            last = time.perf_counter()
+            first = first or last
     end = time.perf_counter()
     result = {"ttft": first - t0, "decode": last - first, "end": end - t0}
     return with_rate({**result, "completion": usage["completion_tokens"], "prompt": usage["prompt_tokens"]})
@@ -312,10 +294,10 @@ def main():
     call_command("migrate", verbosity=0)
     _, key = ApiKey.issue("bench-peer")
     url = f"http://127.0.0.1:{args.port}"
-    children = serving.start_service(ROOT, args.port, DB.parent / "service.log", {**os.environ, "PYTHONUNBUFFERED": "1"}, max(4, args.concurrent))
+    children = serving.start_service(ROOT, args.port, WORK / "service.log", {**os.environ, "PYTHONUNBUFFERED": "1"}, max(4, args.concurrent))
     peer = None
     try:
-        peer = Peer(python, gguf, DB.parent / "peer.log")
+        peer = Peer(python, gguf, WORK / "peer.log")
         print(f"llama.cpp: {LLAMA_CPP}, n_threads={THREADS}, chat template {peer.chat_format!r}, {gguf.name}")
         print(f"  {args.concurrent} streams: one after another in one Llama object (its server would serialize them too)")
         print(f"service:   {MODEL} over HTTP, {args.concurrent} streams at once; --runs {args.runs} --tokens {args.tokens}")

@@ -10,27 +10,18 @@ service's processes (worker, Daphne, Redis) spent per streamed token.
 """
 
 import argparse
-import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-DB = Path(tempfile.mkdtemp()) / "bench.sqlite3"
-os.environ.update(DATABASE_URL=f"sqlite:///{DB}", TOKSTREAM_REDIS_PREFIX=f"tokstream-bench-{os.getpid()}")
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tokstream_site.settings")
-os.environ["REDIS_URL"] = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/14")
-
-import django  # noqa: E402
-
-django.setup()
-logging.getLogger("httpx").setLevel(logging.WARNING)
-
 import serving  # noqa: E402  (bench/serving.py)
+
+WORK = serving.setup("bench", 14)
+
 from django.core.management import call_command  # noqa: E402
 
 from billing.models import ApiKey  # noqa: E402
@@ -82,7 +73,7 @@ def service_processes(children):
 
 
 def start_service(port):
-    return serving.start_service(ROOT, port, DB.parent / "service.log", {**os.environ, "PYTHONUNBUFFERED": "1"})
+    return serving.start_service(ROOT, port, WORK / "service.log", {**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def summary(name, runs):

@@ -1,4 +1,5 @@
-"""The prefill budget: steady while no prompt waits, growing while prompts wait, bounded."""
+"""The prefill budget: steady while no prompt waits; while prompts wait, as much as keeps a step
+within the gap bound of a plain step as wide as the batch is about to be."""
 
 from inference.worker.engine.budget import GAP_BOUND, MIN_PREFILL_TOKENS, Line, StepCost, prefill_budget
 
@@ -31,28 +32,40 @@ def test_the_same_size_every_step_gives_the_mean_and_no_slope():
 
 
 def test_without_waiting_prompts_the_budget_is_the_steady_one():
-    assert prefill_budget(8, 0, 0.0, measured(), **STEADY) == 16
-    assert prefill_budget(0, 900, 5.0, measured(), **STEADY) == 512  # nobody decodes: the whole chunk
+    assert prefill_budget(8, 0, 0, measured(), **STEADY) == 16
+    assert prefill_budget(0, 3, 900, measured(), **STEADY) == 512  # nobody decodes: the whole chunk
 
 
-def test_the_budget_grows_with_the_wait_up_to_the_gap_bound():
+def test_the_budget_grows_with_the_prompts_joining_up_to_the_gap_bound_at_their_width():
     cost = measured()
-    fresh, waited, long_waited = (prefill_budget(4, 10_000, wait, cost, **STEADY) for wait in (0.0, 0.25, 5.0))
-    assert fresh == 20 < waited < long_waited
-    usual, per_token = 0.010 + 0.0005 * 4, 0.0005
-    assert abs(long_waited - (GAP_BOUND - 1) * usual / per_token) <= 1  # a step of at most GAP_BOUND plain ones
+    one, many = (prefill_budget(4, joining, 10_000, cost, **STEADY) for joining in (1, 8))
+    assert 20 < one < many
+    fixed, per_token = 0.010, 0.0005
+    for joining, tokens in ((1, one), (8, many)):
+        within = GAP_BOUND * (fixed + per_token * (4 + joining))  # the plain step once they decode too
+        assert abs(fixed + per_token * (4 + tokens) - within) <= per_token  # a step of at most GAP_BOUND of those
 
 
-def test_the_budget_never_exceeds_what_waits():
-    assert prefill_budget(4, 30, 5.0, measured(), **STEADY) == 30
+def test_the_budget_never_exceeds_what_waits_nor_an_idle_step():
+    assert prefill_budget(4, 1, 30, measured(), **STEADY) == 30
+    assert prefill_budget(4, 28, 10_000, measured(per_row=0.00001), **STEADY) == 512
+
+
+def test_the_first_of_a_burst_to_decode_does_not_hold_the_rest_back():
+    # This machine, compiled int4: a plain step 7 ms and 1.9 ms a row. 31 prompts of 46 tokens
+    # behind one that decodes got 16 tokens a step, bounded by a plain step of that one stream.
+    cost = measured(fixed=0.007, per_row=0.0019)
+    tokens = prefill_budget(1, 31, 31 * 46, cost, **STEADY)
+    assert tokens > 46
+    assert 0.007 + 0.0019 * (1 + tokens) <= GAP_BOUND * cost.plain(32)
 
 
 def test_the_steady_budget_keeps_a_step_within_the_bound_where_prompt_tokens_cost_much():
     # This machine with the integer products: a plain step of 4 rows 7.6 ms, a row 0.9 ms more.
     # The flat 20 tokens beside 4 decodes made every step of a burst 3.2 plain ones.
     cost = measured(fixed=0.004, per_row=0.0009)
-    for waited in (0.0, 5.0):
-        tokens = prefill_budget(4, 10_000, waited, cost, **STEADY)
+    for joining, waiting in ((0, 0), (1, 10_000)):
+        tokens = prefill_budget(4, joining, waiting, cost, **STEADY)
         assert tokens == MIN_PREFILL_TOKENS
         assert cost.plain(4) + 0.0009 * tokens < 3 * cost.plain(4)
 

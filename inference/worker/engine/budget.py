@@ -1,17 +1,18 @@
 """How many prompt tokens a step may carry beside the sequences that decode.
 
-A step that carries prompt tokens is slower for everyone decoding in it. A small budget keeps
-their inter-token gap steady but makes requests that arrive together wait for each other's
-prompts; so the budget grows while prompts wait, and more the longer they have waited, up to
-what keeps a step within GAP_BOUND times a plain decode step, by the step times measured here.
-The steady budget keeps within that bound too, but never under MIN_PREFILL_TOKENS.
+A step that carries prompt tokens is slower for everyone decoding in it. While no prompt waits
+for its first token, the steady budget keeps a step within GAP_BOUND times a plain decode step,
+by the step times measured here (never under MIN_PREFILL_TOKENS). While prompts wait, a step may
+take GAP_BOUND times a plain step as wide as the batch is about to be, the waiting requests
+decoding too: that is the gap every stream will have once they join, so the bound holds against
+it. Bounding a burst by the step of the streams decoding now held the many behind the few: the
+first of 32 arriving together, decoding a step later, cut every later step to a prompt or less.
 """
 
 MIN_PREFILL_TOKENS = 16  # a step's prefill share however many decode: waiting prompts still advance
 # A bigger batch's step costs more, so it carries more prefill for the same relative slowdown.
 PREFILL_PER_DECODE = 2
 GAP_BOUND = 2.5  # a step with prompt tokens takes at most this many plain decode steps
-FULL_URGENCY_SECONDS = 0.5  # a prompt waiting this long gets the whole bound
 DECAY = 0.95  # the weight of earlier steps in the cost estimate: the machine's load changes
 # A step slower than this many times its expected time was slowed by something else (a garbage
 # collection, another process on the cores): it counts as this slow, so that one spike does not
@@ -66,13 +67,13 @@ class StepCost:
         """A step of `decoding` sequences with no prompt tokens; None before 3 steps."""
         return self.rows.at(decoding)
 
-    def tokens_within(self, bound, decoding):
-        """Prompt tokens a step of `decoding` sequences can carry within `bound` plain steps;
-        None while the line has no slope."""
-        usual, per_row = self.rows.at(decoding), self.rows.slope()
+    def tokens_within(self, bound, decoding, width=None):
+        """Prompt tokens a step of `decoding` sequences can carry within `bound` plain steps of
+        `width` sequences (`decoding` unless given); None while the line has no slope."""
+        now, usual, per_row = self.rows.at(decoding), self.rows.at(width or decoding), self.rows.slope()
         if usual is None or per_row is None:
             return None
-        return int((bound - 1) * usual / per_row)
+        return max(0, int((bound * usual - now) / per_row))
 
     def draft_share(self, decoding, drafts):
         """How much longer a step of `decoding` sequences gets with `drafts` draft tokens."""
@@ -91,9 +92,9 @@ def clipped(seconds, line, x):
     return min(seconds, OUTLIER * line.at(x))
 
 
-def prefill_budget(decoding, waiting_tokens, oldest_wait, cost, step_tokens, idle_chunk):
-    """Prompt tokens for this step. `waiting_tokens`: prompt tokens not yet computed of requests
-    without a first token; `oldest_wait`: seconds the oldest of them has waited."""
+def prefill_budget(decoding, joining, waiting_tokens, cost, step_tokens, idle_chunk):
+    """Prompt tokens for this step. `joining`: running requests without a first token, whose
+    prompts are being computed; `waiting_tokens`: the prompt tokens they still need."""
     if not decoding:
         return idle_chunk  # nobody's gap to protect
     bound = cost.tokens_within(GAP_BOUND, decoding)
@@ -103,5 +104,6 @@ def prefill_budget(decoding, waiting_tokens, oldest_wait, cost, step_tokens, idl
     steady = max(steady, MIN_PREFILL_TOKENS)
     if not waiting_tokens or bound is None:
         return steady
-    urgency = min(1.0, oldest_wait / FULL_URGENCY_SECONDS)
-    return max(steady, min(waiting_tokens, int(steady + urgency * (bound - steady))))
+    # Never more than a step with nobody decoding would take.
+    joined = min(idle_chunk, cost.tokens_within(GAP_BOUND, decoding, decoding + joining))
+    return max(steady, min(waiting_tokens, joined))

@@ -202,9 +202,7 @@ class Scheduler:
 
     def budget_for(self, decoding, prefilling):
         first = [r for r in prefilling if not r.output_ids]  # still waiting for a first token
-        oldest = min((r.arrived_at for r in first), default=None)
-        waited = self.clock() - oldest if oldest is not None else 0.0
-        return prefill_budget(decoding, sum(r.pending() for r in first), waited, self.step_cost, self.step_tokens, self.idle_chunk)
+        return prefill_budget(decoding, len(first), sum(r.pending() for r in first), self.step_cost, self.step_tokens, self.idle_chunk)
 
     def chunk(self, request, size, draft=()):
         start = request.computed
