@@ -136,7 +136,7 @@ def test_a_prefix_is_shared_block_by_block_while_its_prompt_is_still_computing()
 
 def test_a_burst_behind_one_decoding_stream_gets_its_first_tokens_within_the_gap_bound():
     # The step costs of this machine (compiled int4): 7 ms and 1.9 ms a row. Bounded by a plain
-    # step of the streams decoding, 31 prompts behind the first to decode went 16 tokens a step:
+    # step of the streams decoding, 31 prompts behind the first to decode went 16 tokens a step at first:
     # 57 steps before the last first token.
     s = scheduler(blocks=2048, max_running=32)
     for rows in (1, 4, 8, 16, 32, 8):
