@@ -123,8 +123,8 @@ inline Ints dot_add_signed(Ints sums, Ints w, Ints b) {
 
 // A group's dot products for a block's eight outputs, dot(sums, k) adding vector k's: in two
 // chains, since each multiply-add waits for the one before it in its chain (one chain left the
-// units idle: x0.87 to x0.90 of its time at 8 to 128 rows here, both in one process); the sums
-// are integers, so their order changes nothing.
+// units idle: two took x0.84 to x0.96 of its time for int4, x0.92 to x0.98 for int8, by
+// bench/operators_ab.py in BENCHMARKS.md); the sums are integers, so their order changes nothing.
 template <typename Dot>
 inline Ints two_chains(Dot dot) {
   Ints even = zero_ints(), odd = zero_ints();
