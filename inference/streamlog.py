@@ -94,14 +94,38 @@ def blocking_client():
 def append(client, request_id, *entries):
     """Add entries (inference.protocol.entries) to the request's log in one round trip, and push its expiry, and its
     metadata's, forward; returns the id of the first."""
-    log = key(request_id, "log")
     with client.pipeline(transaction=False) as pipe:
-        for entry in entries:
-            pipe.xadd(log, {"e": encode(entry)}, maxlen=settings.TOKSTREAM_LOG_MAXLEN, approximate=True)
-        # Never shorter: a queued request's keys must outlive its wait (see admit).
-        for kind in ("log", "meta", "state"):
-            pipe.expire(key(request_id, kind), settings.TOKSTREAM_LOG_TTL, gt=True)
+        queue_entries(pipe, request_id, entries, push_expiry=True)
         return pipe.execute()[0]
+
+
+def append_each(client, logs):
+    """Several requests' entries in one round trip: `logs` holds (request id, entries, whether
+    to push its expiry forward) for each; -> for each, the error Redis answered, or None. One
+    log that refuses its entries (a key of another type, say) fails alone; a lost connection
+    raises. A log written many times a second need not push its expiry every time:
+    TOKSTREAM_LOG_TTL is minutes, and its end entry pushes it again."""
+    with client.pipeline(transaction=False) as pipe:
+        sizes = [queue_entries(pipe, request_id, entries, push_expiry) for request_id, entries, push_expiry in logs]
+        replies = pipe.execute(raise_on_error=False)
+    errors, start = [], 0
+    for size in sizes:
+        errors.append(next((r for r in replies[start : start + size] if isinstance(r, Exception)), None))
+        start += size
+    return errors
+
+
+def queue_entries(pipe, request_id, entries, push_expiry):
+    """-> how many commands it queued."""
+    log = key(request_id, "log")
+    for entry in entries:
+        pipe.xadd(log, {"e": encode(entry)}, maxlen=settings.TOKSTREAM_LOG_MAXLEN, approximate=True)
+    if not push_expiry:
+        return len(entries)
+    # Never shorter: a queued request's keys must outlive its wait (see admit).
+    for kind in ("log", "meta", "state"):
+        pipe.expire(key(request_id, kind), settings.TOKSTREAM_LOG_TTL, gt=True)
+    return len(entries) + 3
 
 
 def decode_entries(entries):

@@ -1,9 +1,16 @@
 """The worker's engines: one per device, each on its own thread, fed by Celery tasks."""
 
+import threading
+
 import pytest
 
+from inference import streamlog
+from inference.protocol.entries import Delta
+from inference.protocol.payloads import State, Status
 from inference.worker import engines as worker
+from inference.worker import local
 from inference.worker.engine import SamplingParams
+from inference.worker.local import Choice
 from tests.reference import reference
 from tests.sse import MODEL
 
@@ -46,3 +53,45 @@ def test_a_model_that_cannot_load_fails_the_engine_start_instead_of_hanging_it(s
     with pytest.raises(AttributeError, match="no_such_dtype"):
         worker.engine_loop(MODEL)
     assert worker._loops == {}
+
+
+@pytest.fixture
+def echo_loop(settings, monkeypatch, redis_client):
+    settings.TOKSTREAM_REDIS_PREFIX += ":echo-loop"  # its heartbeats stay out of the service's
+    monkeypatch.setattr(worker, "_loops", {})
+    loop = worker.engine_loop("echo")
+    yield loop
+    loop.stop()
+    loop.join(timeout=30)
+
+
+def test_a_log_that_refuses_its_entries_fails_its_own_request_and_no_other(echo_loop, redis_client, tokenizer):
+    # The engine loop writes a step's entries of every request in one round trip: one log that
+    # Redis refuses (a key of another type) must not take the others down with it.
+    words = "one two three four five six seven eight"
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": words}], add_generation_prompt=True)
+    for request_id in ("healthy", "broken"):  # claimed by this worker, as a task would have
+        redis_client.set(streamlog.key(request_id, "state"), Status(State.RUNNING, echo_loop.worker_id).to_redis())
+    redis_client.set(streamlog.key("broken", "log"), "not a stream")
+    requests = {request_id: ([Choice()], []) for request_id in ("healthy", "broken")}
+    threads = [
+        threading.Thread(target=run, args=(echo_loop, request_id, prompt, seen, gaps))
+        for request_id, (seen, gaps) in requests.items()
+    ]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    healthy, broken = requests["healthy"][0][0], requests["broken"][0][0]
+    assert healthy.finish_reason == "stop" and healthy.error is None
+    assert "".join(e.text for _, e in streamlog.read_all(redis_client, "healthy") if isinstance(e, Delta)) == words
+    assert len(requests["healthy"][1]) == len(words.split()) - 1  # a gap between each two words' outputs
+    assert broken.finish_reason == "error" and broken.error.startswith("the stream log failed: WRONGTYPE")
+    assert len(broken.totals.token_ids) < len(healthy.totals.token_ids)  # stopped at its first write, not at its end
+
+
+def run(loop, request_id, prompt, seen, gaps):
+    try:
+        local.stream_outputs(loop, request_id, prompt, SamplingParams(max_tokens=50), seen, gaps=gaps)
+    except RuntimeError:
+        pass  # the broken log's request raises once it has ended

@@ -48,7 +48,7 @@ class EngineLoop(threading.Thread):
         self.worker_id = worker_id(device)
         self.last_beat = self.last_signals = 0.0
         self.reported = {}  # draft counts already added to the metrics
-        self.outboxes = {}
+        self.sinks = {}
         self.claimed = set()  # request ids this worker claimed: they must stay claimed to run
         self.claims_lock = threading.Lock()  # task threads submit while the loop prunes
         self.wake = threading.Event()
@@ -56,28 +56,29 @@ class EngineLoop(threading.Thread):
 
     def load(self):
         """Sequences submitted here and not finished: the least loaded engine takes the next."""
-        return len(self.outboxes)
+        return len(self.sinks)
 
     def stop(self):
         self.stopping.set()
         self.wake.set()
 
-    def submit(self, request_id, prompt_ids, params, n=1, claimed=False):
-        """Queue the `n` choices of one request; their outputs arrive in one outbox, in order
-        (the engine's Requests stay its own: callers read Outputs). A `claimed` request is
-        stopped should its claim be lost (see apply_signals)."""
+    def submit(self, request_id, prompt_ids, params, n=1, claimed=False, sink=None):
+        """Queue the `n` choices of one request; their outputs go, in order, to one sink (the
+        engine's Requests stay its own: callers read Outputs): by default an Outbox, returned,
+        for the caller to read; or a sink that turns them into log entries (local.RequestLog).
+        A `claimed` request is stopped should its claim be lost (see apply_signals)."""
         requests = choices(request_id, prompt_ids, params, n)
-        if any(request.request_id in self.outboxes for request in requests):
+        if any(request.request_id in self.sinks for request in requests):
             raise ValueError(f"request {request_id} is already running here")
-        outbox = queue.Queue()
+        sink = sink or Outbox()
         for request in requests:
-            self.outboxes[request.request_id] = outbox
+            self.sinks[request.request_id] = sink
         with self.claims_lock:
             if claimed:
                 self.claimed.add(requests[0].group)
             self.engine.add(*requests)
         self.wake.set()
-        return outbox
+        return sink
 
     def wait_loaded(self):
         """Wait until the started thread's engine is ready; raises what loading raised."""
@@ -156,12 +157,47 @@ class EngineLoop(threading.Thread):
             return self.engine.fail_all(f"generation failed: {exc}")
 
     def deliver(self, outputs):
+        """Each output to its sink, and the step's log entries of every request to Redis in one
+        round trip; each sink is told once they are written (or why they were not)."""
+        entries = {}  # sink -> its entries of this step
         for output in outputs:
-            outbox = self.outboxes.get(output.request_id)
+            sink = self.sinks.get(output.request_id)
             if output.finished:
-                self.outboxes.pop(output.request_id, None)
-            if outbox is not None:
-                outbox.put(output)
+                self.sinks.pop(output.request_id, None)
+            if sink is None:
+                continue
+            try:
+                entries.setdefault(sink, []).extend(sink.take(output))
+            except Exception as exc:  # one request's entries could not be made: it alone fails
+                log.exception("the outputs of %s could not be logged", output.request_id)
+                self.engine.cancel(sink.request_id, error=sink.failed(exc))
+        self.write(entries)
+        for sink in entries:
+            sink.written()
+
+    def write(self, entries):
+        logs = {sink: found for sink, found in entries.items() if found}
+        if not logs:
+            return
+        try:
+            errors = streamlog.append_each(self.redis, [(sink.request_id, found, sink.push_expiry()) for sink, found in logs.items()])
+        except Exception as exc:  # Redis away: every request written to fails
+            log.exception("the stream logs could not be written")
+            errors = [exc] * len(logs)
+        for sink, error in zip(logs, errors):
+            if error is not None:  # see RequestLog.failed
+                self.engine.cancel(sink.request_id, error=sink.failed(error))
+
+
+class Outbox(queue.Queue):
+    """A sink whose caller reads the outputs itself, as they come."""
+
+    def take(self, output):
+        self.put(output)
+        return []
+
+    def written(self):
+        pass
 
 
 def engine_for(lm):

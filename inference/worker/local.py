@@ -2,16 +2,17 @@
 written to the request's log as they come (tool-call text parsed into call entries), and its
 one ending billed from the token ids the engine consumed and produced.
 
-This thread reads only the engine's Outputs (`Choice` keeps what they said of each choice);
-the engine's Requests belong to its own thread."""
+The engine loop's thread turns the outputs into log entries (RequestLog); it and this thread
+read only the engine's Outputs (`Choice` keeps what they said of each choice): the engine's
+Requests belong to the engine."""
 
 import logging
-import queue
+import threading
 import time
 from dataclasses import dataclass
 
 from billing import ledger
-from inference import lifecycle, streamlog
+from inference import lifecycle
 from inference.protocol.entries import Delta, FinishReason, Line, Steer, ToolArgs, ToolStart
 from inference.protocol.tools import ToolCallParser
 from inference.worker.engines import LOST_CLAIM
@@ -48,7 +49,7 @@ def run_locally(client, loop, admitted, prompt_ids, params, tools):
     seen = [Choice() for _ in range(admitted.n)]
     gaps = []
     try:
-        stream_outputs(loop, admitted.request_id, prompt_ids, params, seen, client, tools, gaps)
+        stream_outputs(loop, admitted.request_id, prompt_ids, params, seen, tools, gaps)
     except Exception as exc:
         log.exception("request %s failed", admitted.request_id)
         for choice in seen:
@@ -59,45 +60,87 @@ def run_locally(client, loop, admitted, prompt_ids, params, tools):
         lifecycle.end(client, admitted, outcome_of(seen), finish_reasons, gaps, provenance)
 
 
-def stream_outputs(loop, request_id, prompt_ids, params, seen, client, tools=False, gaps=None):
-    """Copy the engine's outputs to the log until every choice has finished; with tools, a
-    parser per choice turns <tool_call> text into tool-call entries. The time between a
-    choice's outputs goes to `gaps`."""
-    outbox = loop.submit(request_id, prompt_ids, params, len(seen), claimed=True)
-    parsers = {i: ToolCallParser() for i in range(len(seen))} if tools else {}
-    last_output = {}
-    running = len(seen)
-    try:
-        while running:
-            output = next_output(loop, outbox)
-            seen[output.index].take(output)
-            if output.text and gaps is not None:
-                now = time.monotonic()
-                if output.index in last_output:
-                    gaps.append(now - last_output[output.index])
-                last_output[output.index] = now
-            entries = log_entries(output, len(prompt_ids), seen, parsers.get(output.index))
-            if entries:
-                streamlog.append(client, request_id, *entries)
-            if output.finished:
-                running -= 1
-                ended_with_calls(seen[output.index], parsers.get(output.index))
-    except Exception as exc:
-        # The log cannot take more: stop the engine too, and bill what it did up to then, as
-        # a failure (not the client's cancel).
-        loop.engine.cancel(request_id, error=f"the stream log failed: {exc}")
-        wait_until_finished(outbox, running, seen)
-        raise
+def stream_outputs(loop, request_id, prompt_ids, params, seen, tools=False, gaps=None):
+    """Have the engine loop write the request's outputs to its log until every choice has
+    finished (RequestLog); raises when the log failed or the engine thread stopped."""
+    request_log = RequestLog(request_id, len(prompt_ids), seen, tools, gaps)
+    loop.submit(request_id, prompt_ids, params, len(seen), claimed=True, sink=request_log)
+    request_log.wait(loop)
 
 
-def next_output(loop, outbox):
-    """The engine thread always ends what it was given, unless it died: never wait for ever."""
-    while True:
+class RequestLog:
+    """One request's outputs turned into its log's entries, with tools by a parser per choice
+    (<tool_call> text into tool-call entries). The engine loop calls `take` for each output, on
+    its own thread, and writes the entries of every request of a step in one Redis round trip
+    (EngineLoop.deliver): 32 task threads each waking to write their own token stretched the
+    engine's step at 32 streams (BENCHMARKS.md). The request's task thread only waits for the
+    end. The time between a choice's outputs goes to `gaps`."""
+
+    EXPIRY_PUSH_SECONDS = 1.0
+
+    def __init__(self, request_id, prompt_length, seen, tools=False, gaps=None):
+        self.request_id, self.prompt_length, self.seen, self.gaps = request_id, prompt_length, seen, gaps
+        self.parsers = {i: ToolCallParser() for i in range(len(seen))} if tools else {}
+        self.last_output = {}
+        self.running = len(seen)
+        self.pushed_at = None  # when the log's expiry was last pushed forward
+        self.error = None  # why the log could not be written: nothing more goes to it
+        self.done = threading.Event()
+
+    # -- on the engine loop's thread
+
+    def take(self, output):
+        """-> the output's log entries."""
+        choice, parser = self.seen[output.index], self.parsers.get(output.index)
+        choice.take(output)
+        if output.text and self.gaps is not None:
+            self.time_gap(output.index)
         try:
-            return outbox.get(timeout=OUTPUT_CHECK_SECONDS)
-        except queue.Empty:
+            return [] if self.error is not None else log_entries(output, self.prompt_length, self.seen, parser)
+        finally:
+            if output.finished:  # after the parser's last entries: they may hold a call
+                self.running -= 1
+                ended_with_calls(choice, parser)
+
+    def time_gap(self, index):
+        now = time.monotonic()
+        if index in self.last_output:
+            self.gaps.append(now - self.last_output[index])
+        self.last_output[index] = now
+
+    def push_expiry(self):
+        """Whether this write should push the log's expiry forward (streamlog.append_each)."""
+        now = time.monotonic()
+        if self.pushed_at is not None and now - self.pushed_at < self.EXPIRY_PUSH_SECONDS and self.running:
+            return False
+        self.pushed_at = now
+        return True
+
+    def failed(self, exc):
+        """The log could not take this step's entries (or they could not be made): the engine
+        stops the request, and it is billed as a failure, not as its client's cancel."""
+        self.error = self.error or f"the stream log failed: {exc}"
+        return self.error
+
+    def written(self):
+        if not self.running:
+            self.done.set()
+
+    # -- on the request's task thread
+
+    def wait(self, loop):
+        """Until every choice has finished. The engine thread always ends what it was given,
+        unless it died: never wait for ever; nor longer than DRAIN_SECONDS once the log failed."""
+        drain_until = None
+        while not self.done.wait(OUTPUT_CHECK_SECONDS if drain_until is None else POLL_SECONDS):
             if not loop.is_alive():
-                raise RuntimeError("the engine thread stopped") from None
+                raise RuntimeError("the engine thread stopped")
+            if self.error is not None:
+                drain_until = drain_until or time.monotonic() + DRAIN_SECONDS
+                if time.monotonic() > drain_until:
+                    break
+        if self.error is not None:
+            raise RuntimeError(self.error)
 
 
 def log_entries(output, prompt_length, seen, parser=None):
@@ -138,17 +181,6 @@ def steer_entry(output, prompt_length, seen):
     """Where steering took effect (or why it did not), and the prompt tokens since: the prompt
     and every choice's steering so far."""
     return Steer(output.steered, prompt_length + sum(c.steered_tokens for c in seen), output.index, output.error or None)
-
-
-def wait_until_finished(outbox, running, seen):
-    deadline = time.monotonic() + DRAIN_SECONDS
-    while running and time.monotonic() < deadline:
-        try:
-            output = outbox.get(timeout=POLL_SECONDS)
-        except queue.Empty:
-            continue
-        seen[output.index].take(output)
-        running -= output.finished
 
 
 def prompt_tokens(seen):
