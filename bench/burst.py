@@ -35,12 +35,6 @@ from billing.models import ApiKey, UsageEntry  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 NO_STOP = {"0": -100, "1": -100, "2": -100}  # the running streams must outlast the burst
-TOPICS = ["tea", "the sea", "volcanoes", "chess", "bread", "owls", "trains", "glass", "rivers", "clocks", "maps", "paper"]
-
-
-def prompt(n):
-    # A number of its own in every prompt: no request finds its whole prompt cached.
-    return f"Question {n}: tell me about the history of {TOPICS[n % len(TOPICS)]} in a few paragraphs."
 
 
 def stream(url, key, text, tokens, bias=None, stop=None):
@@ -60,7 +54,7 @@ def stream(url, key, text, tokens, bias=None, stop=None):
 def fire(pool, url, key, first, count, tokens):
     """`count` requests at once; -> (the moment they were fired, their futures)."""
     t0 = time.perf_counter()
-    return t0, [pool.submit(stream, url, key, prompt(n), tokens) for n in range(first, first + count)]
+    return t0, [pool.submit(stream, url, key, serving.question(n), tokens) for n in range(first, first + count)]
 
 
 def ttfts(t0, futures):
@@ -107,7 +101,7 @@ def seams(fired, count):
 def beside_round(pool, url, key, first, running, arrivals, tokens):
     """`arrivals` requests together beside `running` long streams; -> TTFTs and the gaps."""
     stop = threading.Event()
-    streams = [pool.submit(stream, url, key, prompt(first + n), 2000, NO_STOP, stop) for n in range(running)]
+    streams = [pool.submit(stream, url, key, serving.question(first + n), 2000, NO_STOP, stop) for n in range(running)]
     time.sleep(3.0)  # every running stream past its prompt, decoding at its usual pace
     t0, futures = fire(pool, url, key, first + running, arrivals, tokens)
     times = ttfts(t0, futures)

@@ -61,7 +61,6 @@ LLAMA_CPP = "llama-cpp-python==0.3.36"
 PEER_VENV = ROOT / ".cache" / "peer-venv"
 PEER_MARK = PEER_VENV / "tokstream-peer.json"
 THREADS = 2
-TOPICS = ["tea", "the sea", "volcanoes", "chess", "bread", "owls", "trains", "glass", "rivers", "clocks", "maps", "paper"]
 
 # Runs in the peer venv's python. One JSON line in per batch of prompts, one JSON line out.
 PEER_SCRIPT = r"""
@@ -185,8 +184,7 @@ def service_streams(url, key, prompts, tokens):
 
 
 def prompts(first, count):
-    # A number of its own in every prompt: no request finds its whole prompt cached.
-    return [f"Question {n}: tell me about the history of {TOPICS[n % len(TOPICS)]} in a few paragraphs." for n in range(first, first + count)]
+    return [serving.question(n) for n in range(first, first + count)]
 
 
 def summary(batches):

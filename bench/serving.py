@@ -27,6 +27,15 @@ def setup(name, redis_db):
     return folder
 
 
+TOPICS = ["tea", "the sea", "volcanoes", "chess", "bread", "owls", "trains", "glass", "rivers", "clocks", "maps", "paper"]
+
+
+def question(n):
+    """The benchmarks' chat question `n`: a number of its own in every prompt, so no request
+    finds its whole prompt cached."""
+    return f"Question {n}: tell me about the history of {TOPICS[n % len(TOPICS)]} in a few paragraphs."
+
+
 @functools.cache
 def http():
     """One client for every request, as a program using the OpenAI SDK keeps one: a new

@@ -34,12 +34,10 @@ from inference.worker.engine import Request, SamplingParams  # noqa: E402
 from inference.worker.engines import build_engine  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
-TOPICS = ["tea", "the sea", "volcanoes", "chess", "bread", "owls", "trains", "glass", "rivers", "clocks", "maps", "paper"]
 
 
 def messages(n):
-    # A number of its own in every prompt: no request finds its whole prompt cached.
-    return [{"role": "user", "content": f"Question {n}: tell me about the history of {TOPICS[n % len(TOPICS)]} in a few paragraphs."}]
+    return [{"role": "user", "content": serving.question(n)}]
 
 
 def engine_run(engine, prompts, tokens):
@@ -78,9 +76,11 @@ def service_stream(url, key, batch, tokens):
 
 
 def service_run(pool, url, key, batches, tokens):
+    """-> (median time to first token, tokens/s, the tokens streamed)."""
     start = time.perf_counter()
     results = list(pool.map(lambda batch: service_stream(url, key, batch, tokens), batches))
-    return rates(start, [r[0] for r in results], sum(r[1] for r in results))
+    count = sum(r[1] for r in results)
+    return *rates(start, [r[0] for r in results], count), count
 
 
 def cpu_seconds(pid):
@@ -140,7 +140,7 @@ def main():
     b, s = summary("engine", base), summary("service", service)
     print(f"service/engine ({width} at once): TTFT x{s[0] / b[0]:.2f}, tokens/s x{s[1] / b[1]:.2f}")
     # Where the service's CPU goes (2 cores: what the others take, the engine's matrix products lack).
-    tokens = args.runs * args.tokens * width
+    tokens = sum(run[2] for run in service)
     print("CPU ms per streamed token: " + ", ".join(f"{name} {seconds * 1000 / tokens:.2f}" for name, seconds in cpu.items()))
 
 
