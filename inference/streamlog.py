@@ -128,6 +128,12 @@ def queue_entries(pipe, request_id, entries, push_expiry):
     return len(entries) + 3
 
 
+def entry_order(entry_id):
+    """An entry id as something that sorts in the log's order."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq)
+
+
 def decode_entries(entries):
     """(id, entry) of each entry this version knows (a newer writer's new kinds are skipped)."""
     decoded = ((entry_id, decode(fields["e"])) for entry_id, fields in entries)
@@ -153,12 +159,6 @@ async def last_entry(client, request_id):
     """The newest (id, entry) of the log, or None while it is empty."""
     newest = decode_entries(await client.xrevrange(key(request_id, "log"), count=1))
     return newest[0] if newest else None
-
-
-async def read_after(client, request_id, last_id, block_ms):
-    """Entries after `last_id`, waiting up to block_ms for the first; [] on time-out."""
-    reply = await client.xread({key(request_id, "log"): last_id}, block=block_ms)  # None: no wait
-    return decode_entries(reply[0][1]) if reply else []
 
 
 def admit(client, request_id, meta, opening):

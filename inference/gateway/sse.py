@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import time
+from contextlib import aclosing
 from urllib.parse import parse_qs
 
 from asgiref.sync import sync_to_async
@@ -18,6 +19,7 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from inference import backends, lifecycle, streamlog
+from inference.gateway import tail
 from inference.gateway.admission import Owner, admit, owned_meta
 from inference.gateway.auth import key_owner, required_owner
 from inference.protocol import chat_request
@@ -119,26 +121,35 @@ async def until_disconnect(receive, work):
 
 
 async def entries(client, admitted, last_id):
-    """Yield (id, entry) from the log after last_id until the end entry, live.
+    """Yield (id, entry) from the log after last_id until the end entry, live, as this
+    process's tail reads it (inference/gateway/tail.py).
 
     While the log is idle, check that someone will write it (see `idle_check`); a request
     whose worker is gone is ended here (inference.lifecycle), and the end entry that writes is
     read like any other. Raises StreamLost when Redis no longer knows the request.
     """
-    reader = streamlog.blocking_client()
-    block_ms = settings.TOKSTREAM_KEEPALIVE_SECONDS * 1000
+    logs = tail.tail()
+    follower = await logs.follow(admitted.request_id, last_id)
+    try:
+        async for pair in followed(client, admitted, follower):
+            yield pair
+    finally:
+        await logs.leave(follower)
+
+
+async def followed(client, admitted, follower):
     unserved = 0
     while True:
-        batch = await streamlog.read_after(reader, admitted.request_id, last_id, block_ms)
+        batch = await follower.next(settings.TOKSTREAM_KEEPALIVE_SECONDS)
         if batch and settings.TOKSTREAM_COALESCE_MS:
-            batch = await coalesced(client, admitted.request_id, batch)
+            batch = await coalesced(follower, batch)
         if not batch:
             unserved, verdict = await idle_check(client, admitted, unserved)
-            batch = await streamlog.read_after(client, admitted.request_id, last_id, None) if verdict == State.ENDED else []
+            batch = await follower.read_now(client) if verdict == State.ENDED else []
             if verdict == State.ENDED and not batch:
                 return  # it ended before the point this reader resumed from
-        for last_id, entry in batch:
-            yield last_id, entry
+        for entry_id, entry in batch:
+            yield entry_id, entry
             if isinstance(entry, End):
                 return
 
@@ -173,12 +184,12 @@ async def reap(client, request_id, seen, found):
         await sync_to_async(lifecycle.end_from_reader, thread_sensitive=False)(request_id, found)
 
 
-async def coalesced(client, request_id, batch):
+async def coalesced(follower, batch):
     """What else arrives within the window, with runs of plain deltas of one choice merged into
     one (whole entries only: no character is split, nothing reordered). The merged event keeps
     the id of its last entry, so a resume from it continues exactly after it."""
     await asyncio.sleep(settings.TOKSTREAM_COALESCE_MS / 1000)
-    batch += await streamlog.read_after(client, request_id, batch[-1][0], None)
+    batch += follower.take()
     merged = []
     for entry_id, entry in batch:
         previous = merged[-1][1] if merged else None
@@ -309,11 +320,12 @@ async def send_sse(response, client, writer, admitted, last_event_id="", hold=Fa
     watch = asyncio.ensure_future(tell_queue_place(body, client, writer)) if writer.places else None
     keeping_alive = asyncio.ensure_future(body.keep_alive_while_quiet())
     try:
-        async for entry_id, entry in entries(client, admitted, last_id):
-            if watch is not None and not isinstance(entry, Open):
-                await stopped(watch)  # past its opening, a worker took it: its engine tells the rest
-            await body.frames(sse_frames(entry_id, writer.chunks(entry), done=isinstance(entry, End), skip=skip), entry)
-            skip = 0
+        async with aclosing(entries(client, admitted, last_id)) as stream:
+            async for entry_id, entry in stream:
+                if watch is not None and not isinstance(entry, Open):
+                    await stopped(watch)  # past its opening, a worker took it: its engine tells the rest
+                await body.frames(sse_frames(entry_id, writer.chunks(entry), done=isinstance(entry, End), skip=skip), entry)
+                skip = 0
     except Exception as exc:  # Redis failed or forgot the request: an ending, never silence
         log.warning("the stream of %s was interrupted: %r", admitted.request_id, exc)
         writer.interrupted = True
@@ -357,9 +369,10 @@ def interruption(exc):
 async def respond_whole(response, client, admitted):
     deltas = []
     try:
-        async for _, entry in entries(client, admitted, "0-0"):
-            if isinstance(entry, TEXT_KINDS):
-                deltas.append(entry)
+        async with aclosing(entries(client, admitted, "0-0")) as stream:
+            async for _, entry in stream:
+                if isinstance(entry, TEXT_KINDS):
+                    deltas.append(entry)
         await response.json(200, completion(admitted, deltas, entry))
     except ApiError as exc:
         await response.error(exc)
@@ -478,12 +491,7 @@ def resumed_writer(admitted, meta, owner, resumed):
 def seen_past(last_event_id, end_id):
     """Whether a reader that saw `last_event_id` saw the end entry `end_id` whole, or more."""
     seen, _, part = last_event_id.partition(".")
-    return (entry_order(seen), not part) >= (entry_order(end_id), True)
-
-
-def entry_order(entry_id):
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq)
+    return (streamlog.entry_order(seen), not part) >= (streamlog.entry_order(end_id), True)
 
 
 async def follow(receive, work, client, request_id):
