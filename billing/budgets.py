@@ -47,14 +47,19 @@ def worst_cost(model, prompt_tokens, completion_tokens, now):
 
 
 def hold(api_key_id, user_id, model, prompt_tokens, completion_tokens):
-    """Hold the worst case, or raise OverBudget; returns the hold, for `release` at the end."""
+    """Hold the worst case, or raise OverBudget; returns the hold, for `release` at the end.
+    Within the caller's transaction where there is one (admission's), without a savepoint of
+    its own: an OverBudget rolls all of it back."""
     now = timezone.now()
-    tokens, money = prompt_tokens + completion_tokens, worst_cost(model, prompt_tokens, completion_tokens, now)
+    tokens = prompt_tokens + completion_tokens
     owners = Q(api_key_id=api_key_id) if api_key_id else Q(pk__in=[])
     if user_id:
         owners |= Q(user_id=user_id)
-    with transaction.atomic():
+    with transaction.atomic(savepoint=False):
         budgets = list(Budget.objects.select_for_update().filter(owners).order_by("pk"))
+        if not budgets:
+            return Hold(tokens=tokens)  # nothing to hold it against, so no price to look up
+        money = worst_cost(model, prompt_tokens, completion_tokens, now)
         for budget in budgets:
             check(budget, tokens, money, now)
         for budget in budgets:

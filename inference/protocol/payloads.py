@@ -76,7 +76,14 @@ class GenerateTask:
             object.__setattr__(self, "params", SamplingParams.from_dict(self.params))
 
     def as_kwargs(self):
-        return dataclasses.asdict(self)
+        """The task's JSON arguments. Not `dataclasses.asdict`, which deep-copies every prompt id
+        one by one: a tenth of admission's CPU for a chat question (BENCHMARKS.md)."""
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return {**fields, "prompt_ids": list(self.prompt_ids), "params": dataclasses.asdict(self.params)}
+
+    def summary(self):
+        """What the worker's log says of the task, in place of Celery's repr of its arguments."""
+        return f"{{'request_id': {self.request_id!r}, 'model': {self.model!r}, 'prompt_tokens': {self.prompt_tokens}}}"
 
     def admitted(self):
         # `created` is the web's, for its chunks: here, the second the request came in.
