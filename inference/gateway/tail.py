@@ -72,10 +72,11 @@ class Follower:
         return self.take()
 
     def take(self):
-        """The entries read and not yet taken, without waiting."""
-        if self.error is not None:
-            raise self.error
+        """The entries read and not yet taken, without waiting; once they are all taken, the
+        error that stopped the reads, if one did."""
         ready, self.ready = self.ready, []
+        if not ready and self.error is not None:
+            raise self.error
         return ready
 
     async def read_now(self, client):
