@@ -135,7 +135,7 @@ def enqueue(client, chat, admitted, owner, task):
     opening = Open(chat.n, position)
     try:
         streamlog.admit(client, admitted.request_id, meta, opening)
-        # Celery's own repr of the arguments reads every prompt id: a fifth of admission's CPU.
+        # Celery's own repr of the arguments would read every prompt id, for a log line.
         app.send_task(GENERATE, kwargs=task.as_kwargs(), queue="inference", argsrepr="()", kwargsrepr=task.summary())
     except Exception:  # leave nothing half-made
         client.delete(*(streamlog.key(admitted.request_id, kind) for kind in ("meta", "log", "state")))

@@ -37,7 +37,7 @@ class Follower:
     """One stream's view of a log: the entries read past its position, for it to take."""
 
     def __init__(self, request_id, last_id):
-        self.request_id, self.log, self.last_id = request_id, streamlog.key(request_id, "log"), last_id
+        self.log, self.last_id = streamlog.key(request_id, "log"), last_id
         self.ready, self.error, self.waiter = [], None, None
 
     def deliver(self, raw):

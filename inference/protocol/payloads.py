@@ -77,7 +77,7 @@ class GenerateTask:
 
     def as_kwargs(self):
         """The task's JSON arguments. Not `dataclasses.asdict`, which deep-copies every prompt id
-        one by one: a tenth of admission's CPU for a chat question (BENCHMARKS.md)."""
+        one by one (`bench/admission.py --profile`)."""
         fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         return {**fields, "prompt_ids": list(self.prompt_ids), "params": dataclasses.asdict(self.params)}
 

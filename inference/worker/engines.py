@@ -166,8 +166,9 @@ class EngineLoop(threading.Thread):
                 self.sinks.pop(output.request_id, None)
             if sink is None:
                 continue
+            found = entries.setdefault(sink, [])  # told `written` even if its entries fail
             try:
-                entries.setdefault(sink, []).extend(sink.take(output))
+                found.extend(sink.take(output))
             except Exception as exc:  # one request's entries could not be made: it alone fails
                 log.exception("the outputs of %s could not be logged", output.request_id)
                 self.engine.cancel(sink.request_id, error=sink.failed(exc))
